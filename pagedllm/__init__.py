@@ -1,0 +1,18 @@
+"""pagedllm: an LLM inference and serving engine built on PagedAttention."""
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine import EngineStats, LLMEngine
+from pagedllm.entrypoints.llm import LLM
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "EngineStats",
+    "LLMEngine",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+]

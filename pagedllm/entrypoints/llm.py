@@ -1,0 +1,129 @@
+"""`LLM`: the offline entry point, with vLLM's names so users feel at home."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine import EngineStats, LLMEngine, PromptInput
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+Message = dict[str, str]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        dtype: str | torch.dtype = "auto",
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        config = EngineConfig(
+            model=model,
+            dtype=dtype,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            kv_cache_memory=kv_cache_memory,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            seed=seed,
+        )
+        self.engine = LLMEngine(config)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def generate(
+        self,
+        prompts: PromptInput | Seq[PromptInput],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion in continuous batches; results come back in input order."""
+        batch = _as_prompt_list(prompts)
+        params = _params_per_prompt(sampling_params, len(batch))
+        request_ids = self._add_all(batch, params)
+        return self._run(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """One conversation or a list of them, each rendered by the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.render_chat(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def render_chat(self, conversation: list[Message], add_generation_prompt: bool = True) -> dict:
+        tokenizer = self.engine.tokenizer
+        if not tokenizer.chat_template:
+            raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
+        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+        # The template already holds any BOS it wants; tokenizing must not add a second.
+        return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+
+    def _add_all(self, prompts: list[PromptInput], params: list[SamplingParams]) -> list[str]:
+        """Add all or nothing: if one prompt is refused, the ones already queued are withdrawn."""
+        request_ids: list[str] = []
+        try:
+            for prompt, param in zip(prompts, params, strict=True):
+                request_id = str(next(self._ids))
+                self.engine.add_request(request_id, prompt, param)
+                request_ids.append(request_id)
+        except Exception:
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+            raise
+        return request_ids
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return [finished[request_id] for request_id in request_ids]
+
+
+def _as_prompt_list(prompts: PromptInput | Seq[PromptInput]) -> list[PromptInput]:
+    if isinstance(prompts, str | dict):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]
+    return prompts
+
+
+def _params_per_prompt(
+    sampling_params: SamplingParams | Seq[SamplingParams] | None, count: int
+) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * count
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * count
+    params = list(sampling_params)
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} sampling_params for {count} prompts")
+    return params

@@ -1,0 +1,153 @@
+"""Per-request sampling settings, with vLLM's field names, defaults and validation rules."""
+
+from __future__ import annotations
+
+import enum
+import math
+import numbers
+from dataclasses import dataclass
+
+# Temperatures below this are treated as 0 (greedy), as in vLLM: dividing logits by a tiny temperature
+# overflows to inf/nan instead of approaching argmax.
+_SAMPLING_EPS = 1e-5
+
+
+class SamplingType(enum.IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+@dataclass
+class SamplingParams:
+    """How to sample the completions of one request.
+
+    ``top_k`` of 0 or -1 disables top-k (-1 is normalized to 0); ``stop`` is normalized to a list of
+    strings and ``stop_token_ids`` to a list of ints. Invalid values raise ``ValueError`` naming the field.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        self.n = _check_int("n", self.n)
+        self.temperature = _check_float("temperature", self.temperature)
+        self.top_p = _check_float("top_p", self.top_p)
+        self.top_k = _check_int("top_k", self.top_k)
+        self.min_p = _check_float("min_p", self.min_p)
+        self.presence_penalty = _check_float("presence_penalty", self.presence_penalty)
+        self.frequency_penalty = _check_float("frequency_penalty", self.frequency_penalty)
+        self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty)
+        self.min_tokens = _check_int("min_tokens", self.min_tokens)
+        if self.seed is not None:
+            self.seed = _check_int("seed", self.seed)
+        if self.max_tokens is not None:
+            self.max_tokens = _check_int("max_tokens", self.max_tokens)
+        if self.logprobs is not None:
+            self.logprobs = _check_int("logprobs", self.logprobs)
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        self.stop = _normalize_stop(self.stop)
+        self.stop_token_ids = _normalize_stop_token_ids(self.stop_token_ids)
+        if self.top_k == -1:
+            self.top_k = 0
+        self._verify_ranges()
+
+    def _verify_ranges(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be 0 or -1 (disable) or at least 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be non-negative, got {self.logprobs}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _SAMPLING_EPS
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.is_greedy:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    def sample_seed(self, index: int) -> int | None:
+        """Seed for the generator of the ``index``-th of the ``n`` samples: distinct per sample, so that the
+        n completions of a seeded request differ from each other yet are all reproducible."""
+        if not 0 <= index < self.n:
+            raise ValueError(f"index must be in [0, n={self.n}), got {index}")
+        return None if self.seed is None else self.seed + index
+
+
+def _check_int(name: str, value: object) -> int:
+    # bool is a subclass of int, but n=True is a caller bug, not a request for one sample.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    return int(value)
+
+
+def _check_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a float, got {value!r}")
+    # NaN would slip through every range comparison below; inf turns logits into nan.
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return value
+
+
+def _normalize_stop(stop: object) -> list[str]:
+    if stop is None:
+        return []
+    items = [stop] if isinstance(stop, str) else stop
+    if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) for s in items):
+        raise ValueError(f"stop must be a str or a list of str, got {stop!r}")
+    if any(s == "" for s in items):
+        raise ValueError(f"stop must not contain empty strings, got {stop!r}")
+    return list(items)
+
+
+def _normalize_stop_token_ids(ids: object) -> list[int]:
+    if ids is None:
+        return []
+    if not isinstance(ids, (list, tuple)) or any(
+        isinstance(i, bool) or not isinstance(i, numbers.Integral) for i in ids
+    ):
+        raise ValueError(f"stop_token_ids must be a list of int, got {ids!r}")
+    if any(i < 0 for i in ids):
+        raise ValueError(f"stop_token_ids must be non-negative, got {ids!r}")
+    return [int(i) for i in ids]

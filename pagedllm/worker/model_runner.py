@@ -1,0 +1,74 @@
+"""Turns a SchedulerOutput into one flat token batch, runs the model, returns logits of the sampling rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedllm.attention import plan_attention
+from pagedllm.models.llama import LlamaForCausalLM, StepContext
+from pagedllm.scheduler import ScheduledSeq
+
+
+@dataclass(slots=True)
+class FlatBatch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T]
+    block_tables: torch.Tensor  # [S, max_blocks] int32
+    seq_lens: torch.Tensor  # [S] int32
+    query_start_loc: torch.Tensor  # [S+1] int32
+    logits_index: torch.Tensor  # rows whose hidden state picks a token, in `scheduled` order
+
+
+def build_batch(scheduled: list[ScheduledSeq], block_tables: list[list[int]], block_size: int) -> FlatBatch:
+    ids: list[int] = []
+    positions: list[np.ndarray] = []
+    slots: list[np.ndarray] = []
+    query_lens: list[int] = []
+    seq_lens: list[int] = []
+    for item, table in zip(scheduled, block_tables, strict=True):
+        start = item.seq.num_computed_tokens
+        end = start + item.num_new_tokens
+        ids.extend(item.seq.token_ids[start:end])
+        pos = np.arange(start, end, dtype=np.int64)
+        positions.append(pos)
+        slots.append(np.asarray(table, dtype=np.int64)[pos // block_size] * block_size + pos % block_size)
+        query_lens.append(item.num_new_tokens)
+        seq_lens.append(end)
+    query_start = np.concatenate(([0], np.cumsum(query_lens)))
+    samples = [i for i, item in enumerate(scheduled) if item.samples]
+    return FlatBatch(
+        input_ids=torch.tensor(ids, dtype=torch.long),
+        positions=torch.from_numpy(np.concatenate(positions)),
+        slot_mapping=torch.from_numpy(np.concatenate(slots)),
+        block_tables=_pad_tables(block_tables),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc=torch.from_numpy(query_start.astype(np.int32)),
+        logits_index=torch.from_numpy(query_start[1:][samples] - 1),
+    )
+
+
+def _pad_tables(tables: list[list[int]]) -> torch.Tensor:
+    width = max(len(t) for t in tables)
+    padded = np.zeros((len(tables), width), dtype=np.int32)
+    for row, table in enumerate(tables):
+        padded[row, : len(table)] = table
+    return torch.from_numpy(padded)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+
+    @torch.inference_mode()
+    def run(self, batch: FlatBatch) -> torch.Tensor:
+        """Float32 logits `[len(batch.logits_index), vocab]`."""
+        plan = plan_attention(batch.block_tables, batch.seq_lens, batch.query_start_loc, self.block_size)
+        ctx = StepContext(batch.positions, batch.slot_mapping, plan, self.kv_caches)
+        hidden = self.model(batch.input_ids, ctx)
+        return self.model.compute_logits(hidden.index_select(0, batch.logits_index))

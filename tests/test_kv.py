@@ -1,0 +1,78 @@
+"""The block pool and KV cache manager on their own: allocation, freeing, accounting, utilization."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pagedllm.kv.block_pool import BlockPool, NoFreeBlocksError
+from pagedllm.kv.kv_cache_manager import KVCacheManager
+
+
+def test_pool_allocates_distinct_blocks_and_refuses_overdraw():
+    pool = BlockPool(4)
+    blocks = pool.allocate(3)
+    assert len(set(blocks)) == 3 and pool.num_free == 1
+    with pytest.raises(NoFreeBlocksError):
+        pool.allocate(2)
+    pool.free(blocks)
+    assert pool.num_free == 4 and pool.peak_used == 3
+
+
+def test_double_free_is_an_error():
+    pool = BlockPool(2)
+    blocks = pool.allocate(1)
+    pool.free(blocks)
+    with pytest.raises(RuntimeError, match="not referenced"):
+        pool.free(blocks)
+
+
+def test_freed_blocks_are_reused_oldest_first_and_chain_tail_first():
+    pool = BlockPool(4)
+    first = pool.allocate(2)
+    second = pool.allocate(2)
+    pool.free(first)
+    pool.free(second)
+    assert pool.allocate(4) == [first[1], first[0], second[1], second[0]]
+
+
+def test_slots_grow_block_by_block():
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    assert kv.allocate_slots(7, 5)
+    assert len(kv.block_table(7)) == 2
+    assert kv.allocate_slots(7, 8)
+    assert len(kv.block_table(7)) == 2
+    assert kv.allocate_slots(7, 9)
+    assert len(kv.block_table(7)) == 3
+    assert kv.utilization() == pytest.approx(9 / 12)
+
+
+def test_failed_allocation_changes_nothing():
+    kv = KVCacheManager(num_blocks=3, block_size=4)
+    assert kv.allocate_slots(1, 8)
+    assert not kv.allocate_slots(2, 8)
+    assert 2 not in kv.block_tables
+    assert kv.pool.num_free == 1
+    kv.check_invariants()
+
+
+def test_random_workload_keeps_every_block_accounted_for():
+    rng = random.Random(0)
+    kv = KVCacheManager(num_blocks=40, block_size=4)
+    lengths: dict[int, int] = {}
+    for _ in range(2000):
+        seq = rng.randrange(12)
+        if seq in lengths and rng.random() < 0.2:
+            kv.free(seq)
+            del lengths[seq]
+        else:
+            target = lengths.get(seq, 0) + rng.randint(1, 6)
+            if kv.allocate_slots(seq, target):
+                lengths[seq] = target
+        kv.check_invariants()
+        assert kv.pool.num_free + kv.pool.num_used == 40
+        assert all(len(kv.block_table(s)) == -(-n // 4) for s, n in lengths.items())
+    for seq in list(lengths):
+        kv.free(seq)
+    assert kv.pool.num_free == 40
