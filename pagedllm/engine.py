@@ -194,7 +194,8 @@ class LLMEngine:
         timer.lap("forward")
         for item in plan.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
-        sampled = self.sampler(logits, [self._sampling_row(item) for item in sampling])
+        with torch.inference_mode():
+            sampled = self.sampler(logits, [self._sampling_row(item) for item in sampling])
         timer.lap("sample")
         for item, token, logprobs in zip(sampling, sampled.token_ids, sampled.logprobs, strict=True):
             self._append_token(item.seq, token, logprobs)
@@ -219,9 +220,11 @@ class LLMEngine:
             if seq.logprobs is not None:
                 seq.logprobs.append(logprobs)
         stop = token_stop(seq, token, self.eos_ids)
+        at_length = length_stop(seq, self.max_model_len)
         if stop is None or not stop.hide_last_token_text:
-            seq.text += next_text(self.tokenizer, seq, seq.params.skip_special_tokens)
-        stop = stop or string_stop(seq) or length_stop(seq, self.max_model_len)
+            last = stop is not None or at_length is not None
+            seq.text += next_text(self.tokenizer, seq, seq.params.skip_special_tokens, flush=last)
+        stop = stop or string_stop(seq) or at_length
         if stop is not None:
             self._finish(seq, stop)
 

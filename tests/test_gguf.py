@@ -5,10 +5,13 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from pagedllm.models import default as default_module
@@ -42,7 +45,13 @@ def converted(gguf_file: Path, cache_dir: Path) -> Path:
 
 def test_folder_layout(converted: Path, cache_dir: Path, gguf_file: Path) -> None:
     assert converted == cache_dir / "gguf" / conversion_key(gguf_file)
-    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", COMPLETE_MARKER):
+    for name in (
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        COMPLETE_MARKER,
+    ):
         assert (converted / name).is_file(), name
     # Only the finished folder is left: no staging folders from the temp-and-rename.
     assert [p.name for p in (cache_dir / "gguf").iterdir()] == [converted.name]
@@ -107,17 +116,96 @@ def test_tokenizer_matches_transformers_gguf_tokenizer(converted: Path, gguf_fil
 def test_converted_folder_generates_sensible_text(converted: Path) -> None:
     # Independent of transformers' GGUF code: a wrong Q/K un-permutation scrambles RoPE and the
     # model stops answering coherently.
-    tokenizer = AutoTokenizer.from_pretrained(converted)
+    tok = AutoTokenizer.from_pretrained(converted)
     model, info = AutoModelForCausalLM.from_pretrained(converted, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
-    assert model.generation_config.eos_token_id == tokenizer.eos_token_id == 2
+    assert model.generation_config.eos_token_id == tok.eos_token_id == 2
 
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
-    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    inputs = tok.apply_chat_template(chat, add_generation_prompt=True, return_dict=True, return_tensors="pt")
     with torch.inference_mode():
         output = model.generate(**inputs, max_new_tokens=12, do_sample=False)
-    answer = tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    answer = tok.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer
+
+
+def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """What llama.cpp's converter does to HF's q_proj/k_proj rows."""
+    rows, cols = weight.shape
+    return weight.reshape(num_heads, 2, rows // num_heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def write_tiny_llama_gguf(path: Path) -> dict[str, np.ndarray]:
+    """An F32 llama GGUF with an untied output matrix and linear rope scaling; returns its tensors."""
+    hidden, ffn, heads, kv_heads = 16, 32, 4, 2
+    kv_rows = kv_heads * hidden // heads
+    tokens = ["<|endoftext|>", *bytes_to_unicode().values(), "Ġt"]
+    shapes = {
+        "token_embd.weight": (len(tokens), hidden),
+        "output.weight": (len(tokens), hidden),
+        "output_norm.weight": (hidden,),
+        "blk.0.attn_norm.weight": (hidden,),
+        "blk.0.ffn_norm.weight": (hidden,),
+        "blk.0.attn_q.weight": (hidden, hidden),
+        "blk.0.attn_k.weight": (kv_rows, hidden),
+        "blk.0.attn_v.weight": (kv_rows, hidden),
+        "blk.0.attn_output.weight": (hidden, hidden),
+        "blk.0.ffn_gate.weight": (ffn, hidden),
+        "blk.0.ffn_up.weight": (ffn, hidden),
+        "blk.0.ffn_down.weight": (hidden, ffn),
+    }
+    rng = np.random.default_rng(0)
+    tensors = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_context_length(64)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(500000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    writer.add_rope_scaling_factor(2.0)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL] + [gguf.TokenType.NORMAL] * (len(tokens) - 1))
+    writer.add_token_merges(["Ġ t"])
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(0)
+    for name, array in tensors.items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return tensors
+
+
+def test_untied_f32_file_with_rope_scaling(tmp_path: Path) -> None:
+    path = tmp_path / "tiny.gguf"
+    raw = write_tiny_llama_gguf(path)
+    folder = gguf_to_hf_folder(path, cache_dir=tmp_path / "cache")
+
+    config = AutoConfig.from_pretrained(folder)
+    assert config.tie_word_embeddings is False
+    assert config.rope_parameters == {"rope_type": "linear", "factor": 2.0, "rope_theta": 500000.0}
+
+    ours = load_file(folder / "model.safetensors")
+    assert torch.equal(ours["lm_head.weight"], torch.from_numpy(raw["output.weight"]))
+    # Re-applying llama.cpp's permutation gives back the file's rows: the un-permutation is its inverse.
+    for name, gguf_name, heads in (("q_proj", "attn_q", 4), ("k_proj", "attn_k", 2)):
+        hf_rows = ours[f"model.layers.0.self_attn.{name}.weight"].numpy()
+        assert np.array_equal(llama_cpp_permute(hf_rows, heads), raw[f"blk.0.{gguf_name}.weight"])
+
+    with torch.device("meta"):
+        skeleton = LlamaForCausalLM(config)
+    reference = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
+    assert sorted(ours) == sorted(reference)
+    assert all(torch.equal(ours[name], reference[name]) for name in ours)
+    _, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
 
 
 def test_second_call_reuses_the_cached_folder(converted: Path, gguf_file: Path, cache_dir: Path) -> None:

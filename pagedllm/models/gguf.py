@@ -51,6 +51,8 @@ _GGUF_GLOBAL_TENSORS = {
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 
+StrPath = str | os.PathLike[str]
+
 
 @dataclass(frozen=True, slots=True)
 class LlamaHyperparameters:
@@ -86,9 +88,7 @@ def conversion_key(gguf_path: Path) -> str:
     return hashlib.sha256(identity.encode()).hexdigest()[:16]
 
 
-def gguf_to_hf_folder(
-    gguf_path: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None = None
-) -> Path:
+def gguf_to_hf_folder(gguf_path: StrPath, cache_dir: StrPath | None = None) -> Path:
     """Hugging Face model folder for `gguf_path`, converting it on the first call only."""
     gguf_path = Path(gguf_path).resolve()
     root = (Path(cache_dir) if cache_dir is not None else default_cache_dir()) / "gguf"
@@ -161,6 +161,8 @@ def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
 
 
 def read_llama_hyperparameters(reader: GGUFReader) -> LlamaHyperparameters:
+    """The model hyperparameters and special token ids from a llama GGUF file's metadata."""
+
     def llama(key: str, default: Any = None) -> Any:
         value = _field(reader, f"llama.{key}", default)
         if value is None:
@@ -215,9 +217,7 @@ def _hf_name(gguf_name: str) -> str:
     if gguf_name == "rope_freqs.weight":
         # Llama-3-style frequency scaling is stored as per-dimension factors that HF's `llama3` rope
         # parameters cannot be recovered from; silently dropping them would change long-context outputs.
-        raise NotImplementedError(
-            "GGUF files with a rope_freqs tensor (Llama 3 rope scaling) are not supported"
-        )
+        raise NotImplementedError("GGUF rope_freqs tensors (Llama 3 rope scaling) are not supported")
     raise ValueError(f"unexpected tensor {gguf_name!r} in a llama GGUF file")
 
 
