@@ -126,7 +126,8 @@ class LLMEngine:
         room = self.max_model_len - len(token_ids)
         if room < 1:
             raise ValueError(
-                f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}, leaving no room to generate"
+                f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}, "
+                "leaving no room to generate"
             )
         max_tokens = room if params.max_tokens is None else params.max_tokens
         if max_tokens > room:

@@ -56,10 +56,9 @@ def compare_greedy(outputs: list[RequestOutput], refs: list[Reference]) -> Compa
         if ours == ref.token_ids:
             exact += 1
             continue
-        at = next(
-            (j for j, (a, b) in enumerate(zip(ours, ref.token_ids)) if a != b), min(len(ours), len(ref.token_ids))
-        )
-        if at >= min(len(ours), len(ref.token_ids)):
+        shorter = min(len(ours), len(ref.token_ids))
+        at = next((j for j in range(shorter) if ours[j] != ref.token_ids[j]), shorter)
+        if at == shorter:
             failures.append(f"prompt {i}: lengths differ ({len(ours)} vs {len(ref.token_ids)})")
             continue
         our_top = set(output.outputs[0].logprobs[at])

@@ -154,7 +154,9 @@ def test_logprobs_hold_the_sampled_token_and_the_top_k(llm):
         assert token in entry and entry[token].rank == 1  # greedy picks the most likely token
         assert 3 <= len(entry) <= 4
         assert sorted(e.rank for e in entry.values())[:3] == [1, 2, 3]
-    assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)))
+    assert out.cumulative_logprob == pytest.approx(
+        sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs, strict=True))
+    )
 
 
 def test_abort_returns_blocks_and_engine_keeps_serving(tiny_llama):

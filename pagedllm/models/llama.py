@@ -100,7 +100,7 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = ctx.kv_caches[self.layer_index]
         write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
-        out = run_planned(q, k_cache, v_cache, ctx.plan, self.scale)
+        out = run_planned(q, k, v, k_cache, v_cache, ctx.plan, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

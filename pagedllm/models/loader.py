@@ -92,6 +92,6 @@ def _read_checkpoint(folder: Path) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         with safe_open(file, framework="pt") as handle:
-            for key in handle.keys():
+            for key in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
                 tensors[key] = handle.get_tensor(key)
     return tensors

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from pagedllm.attention import plan_attention
+from pagedllm.attention.ops import Workspace
 from pagedllm.models.llama import LlamaForCausalLM, StepContext
 from pagedllm.scheduler import ScheduledSeq
 
@@ -64,11 +65,14 @@ class ModelRunner:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
+        self.workspace = Workspace()
 
     @torch.inference_mode()
     def run(self, batch: FlatBatch) -> torch.Tensor:
         """Float32 logits `[len(batch.logits_index), vocab]`."""
-        plan = plan_attention(batch.block_tables, batch.seq_lens, batch.query_start_loc, self.block_size)
+        plan = plan_attention(
+            batch.block_tables, batch.seq_lens, batch.query_start_loc, self.block_size, self.workspace
+        )
         ctx = StepContext(batch.positions, batch.slot_mapping, plan, self.kv_caches)
         hidden = self.model(batch.input_ids, ctx)
         return self.model.compute_logits(hidden.index_select(0, batch.logits_index))

@@ -9,16 +9,18 @@ shares its batch.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 
 from pagedllm.outputs import Logprob
 from pagedllm.sampling_params import SamplingParams
 
-# torch's argmax is several times slower than amax on CPU (tracking the index defeats vectorization), so
-# greedy rows first find the block holding the maximum with amax and then take the argmax inside it.
-_ARGMAX_BLOCK = 256
+# Block sizes tried, largest first, to split the vocabulary into equal blocks (see _blocks).
+_BLOCK_SIZES = (256, 128, 64)
 
 
 @dataclass(slots=True)
@@ -89,11 +91,14 @@ def _padded_ids(seqs: list[list[int]], device: torch.device) -> tuple[torch.Tens
     Each row is padded with copies of its own first id, so padding only reads and writes an entry the row
     touches anyway: gather/scatter on it is harmless.
     """
-    width = max(len(s) for s in seqs)
-    ids = torch.tensor([s + [s[0]] * (width - len(s)) for s in seqs], dtype=torch.long, device=device)
-    lengths = torch.tensor([len(s) for s in seqs], device=device)
-    real = torch.arange(width, device=device) < lengths[:, None]
-    return ids, real
+    lengths = torch.tensor([len(s) for s in seqs])
+    # np.fromiter reads Python ints several times faster than torch.tensor(list) does.
+    flat = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int64, count=int(lengths.sum()))
+    real = torch.arange(int(lengths.max())) < lengths[:, None]
+    ids = torch.zeros(real.shape, dtype=torch.long)
+    ids[real] = torch.from_numpy(flat)  # boolean-mask assignment fills row by row, in list order
+    ids = torch.where(real, ids, ids[:, :1])
+    return ids.to(device), real.to(device)
 
 
 def _apply_repetition_penalty(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -134,15 +139,28 @@ def _apply_presence_frequency_penalties(logits: torch.Tensor, rows: list[Samplin
     logits[row_idx, ids] = seen - presence
 
 
+def _blocks(x: torch.Tensor) -> torch.Tensor | None:
+    """``x`` ([N, V]) viewed as [N, V / B, B] blocks, or None when no block size divides V.
+
+    On CPU, reductions like amax/sum run at memory speed, but argmax, cumsum and anything that allocates an
+    [N, V] temporary are several times slower. Block views let the greedy and random paths find the right
+    block with a cheap reduction and do the expensive part inside that block only.
+    """
+    n, vocab = x.shape
+    for size in _BLOCK_SIZES:
+        if vocab % size == 0 and vocab > size:
+            return x.reshape(n, vocab // size, size)
+    return None
+
+
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
-    """Same result as ``logits.argmax(-1)`` (first maximum), faster on CPU."""
-    n, vocab = logits.shape
-    if vocab % _ARGMAX_BLOCK:
+    """Same result as ``logits.argmax(-1)`` (the first maximum), much faster on CPU."""
+    blocks = _blocks(logits)
+    if blocks is None:
         return logits.argmax(-1)
-    blocks = logits.reshape(n, vocab // _ARGMAX_BLOCK, _ARGMAX_BLOCK)
     best_block = blocks.amax(-1).argmax(-1)
-    within = blocks[torch.arange(n, device=logits.device), best_block].argmax(-1)
-    return best_block * _ARGMAX_BLOCK + within
+    within = blocks[torch.arange(len(blocks), device=logits.device), best_block].argmax(-1)
+    return best_block * blocks.shape[2] + within
 
 
 def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -172,18 +190,38 @@ def _uniforms(rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
     return torch.cat(draws).to(device)[:, None]
 
 
-def _draw(weights: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Inverse-CDF sampling: per row, a position drawn with probability proportional to ``weights``.
+def _search(cdf: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the first position whose cdf exceeds ``target`` ([R, 1]), and the cdf just before it.
 
-    Costs one uniform per row, so a row's draws do not depend on the other rows.
+    The target is first kept strictly below the row total (u * total can round up to it), so the position
+    exists and has non-zero weight.
     """
-    cdf = weights.cumsum(-1)
     total = cdf[:, -1:]
-    # u < 1, but u * total can round up to total; keeping the target strictly below total guarantees that
-    # the first cdf entry above it exists and belongs to a token of non-zero weight.
-    below_total = torch.nextafter(total, torch.zeros_like(total))
-    target = torch.minimum(_uniforms(rows, weights.device) * total, below_total)
-    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+    target = torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))
+    position = torch.searchsorted(cdf, target, right=True)
+    before = torch.where(position > 0, cdf.gather(1, (position - 1).clamp_(min=0)), 0.0)
+    return position.squeeze(1), before
+
+
+def _draw(weights: torch.Tensor, rows: list[SamplingRow], index: list[int] | None = None) -> torch.Tensor:
+    """Inverse-CDF sampling: a position per row, drawn with probability proportional to ``weights``.
+
+    ``index`` picks the rows of ``weights`` to draw for (default: all), ``rows`` being theirs. Takes exactly
+    one uniform from each row's generator, so a row's draws do not depend on the other rows.
+    """
+    target = _uniforms(rows, weights.device)
+    picked = torch.tensor(list(range(len(weights))) if index is None else index, device=weights.device)
+    blocks = _blocks(weights)
+    if blocks is None:
+        cdf = (weights if index is None else weights[index]).cumsum(-1)
+        return _search(cdf, target * cdf[:, -1:])[0]
+    # Two levels: pick a block from the block sums, then a position from the cumsum inside that block.
+    # Summing every row's blocks is one cheap reduction; selecting the rows first would copy them.
+    block_cdf = blocks.sum(-1)[picked].cumsum(-1)
+    block, before = _search(block_cdf, target * block_cdf[:, -1:])
+    inner_cdf = blocks[picked, block].cumsum(-1)
+    within, _ = _search(inner_cdf, target * block_cdf[:, -1:] - before)
+    return block * blocks.shape[2] + within
 
 
 def _sample_top_k(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -205,60 +243,63 @@ def _sample_top_k(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor
 
 
 def _sample_full_vocab(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    device = logits.device
-    logits.div_(_row_values(rows, "temperature", device))
+    logits.div_(_row_values(rows, "temperature", logits.device))
     # Unnormalized probabilities, in place: the largest weight is exactly exp(0) = 1, so min-p compares
-    # against min_p directly; sampling and the nucleus test only need ratios to the row total.
+    # against min_p itself; sampling and the nucleus test only need ratios to the row total.
     weights = logits.sub_(logits.amax(-1, keepdim=True)).exp_()
-    total = weights.sum(-1, keepdim=True)  # before min-p: top-p comes first, on the whole distribution
-    min_p = _row_values(rows, "min_p", device)
-    if any(row.params.min_p > 0.0 for row in rows):
-        weights.masked_fill_(weights < min_p, 0.0)
+    total = weights.sum(-1).tolist()  # before min-p: top-p comes first, on the whole distribution
+    for i, row in enumerate(rows):
+        if row.params.min_p > 0.0:
+            # threshold_ keeps weights strictly above its threshold; the float32 just below min_p keeps
+            # weights equal to it (min_p = 1 keeps the top token). Per row: batched masks are slow on CPU.
+            below_min_p = float(np.nextafter(np.float32(row.params.min_p), np.float32(0.0)))
+            F.threshold_(weights[i], below_min_p, 0.0)
     positions = _draw(weights, rows)
     _resample_outside_nucleus(weights, total, positions, rows)
     return positions
 
 
 def _resample_outside_nucleus(
-    weights: torch.Tensor, total: torch.Tensor, positions: torch.Tensor, rows: list[SamplingRow]
+    weights: torch.Tensor, total: list[float], positions: torch.Tensor, rows: list[SamplingRow]
 ) -> None:
-    """Enforce top-p on full-vocabulary draws without sorting the vocabulary (rejection sampling).
+    """Enforce top-p on full-vocabulary draws by rejection sampling instead of sorting the vocabulary.
 
-    A token is in the nucleus iff the mass of strictly more likely tokens is below top_p * total. A rejected
-    token shows that every token no more likely than it is outside too, so those are zeroed and the row
-    redraws; accepted draws are distributed as the nucleus renormalized. Usually one or two rounds suffice,
-    which beats sorting the vocabulary by far on CPU. Zeroing a suffix of the likelihood order (min-p, here)
-    leaves the mass above any remaining token unchanged, so the test stays valid on ``weights``.
+    A token is in the nucleus iff the mass of strictly more likely tokens is below top_p * total. Zeroing
+    every token no more likely than the drawn one leaves exactly that mass to sum. On rejection, what is
+    left is also exactly the set that may still hold nucleus tokens, so the row redraws from it; accepted
+    draws are distributed as the renormalized nucleus. One or two rounds usually suffice. Zeroing the least
+    likely tokens (min-p) before the test does not change the mass above any token still drawable.
     Overwrites ``weights`` and updates ``positions`` in place.
     """
     pending = [i for i, row in enumerate(rows) if row.params.top_p < 1.0]
-    if not pending:
-        return
-    w = _select_rows(weights, pending)
-    budget = total[pending] * _row_values([rows[i] for i in pending], "top_p", weights.device)
-    while True:
-        sampled = w.gather(1, positions[pending][:, None])
-        mass_above = torch.where(w > sampled, w, 0.0).sum(-1, keepdim=True)
-        rejected = (mass_above >= budget).squeeze(1).tolist()
-        keep = [j for j, r in enumerate(rejected) if r]
-        if not keep:
-            return
-        if len(keep) < len(pending):
-            pending = [pending[j] for j in keep]
-            w, sampled, budget = w[keep], sampled[keep], budget[keep]
-        w.masked_fill_(w <= sampled, 0.0)
-        positions[pending] = _draw(w, [rows[i] for i in pending])
+    budget = {i: rows[i].params.top_p * total[i] for i in pending}
+    while pending:
+        drawn = weights[pending, positions[pending]].tolist()
+        # Per-row threshold_ works in place; on CPU, batched masking allocates [N, V] temporaries and runs
+        # several times slower. Rows decided earlier are summed too: cheaper than selecting the pending ones.
+        for i, w in zip(pending, drawn, strict=True):
+            F.threshold_(weights[i], w, 0.0)
+        mass_above = weights.sum(-1)[pending].tolist()
+        pending = [i for i, mass in zip(pending, mass_above, strict=True) if mass >= budget[i]]
+        if pending:
+            positions[pending] = _draw(weights, [rows[i] for i in pending], pending)
 
 
 def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]) -> list[dict[int, Logprob]]:
-    """Logprob dicts (sampled token + top-k) from the unmodified logits of the rows that asked."""
-    log_norm = raw.logsumexp(-1, keepdim=True)
-    sampled_logit = raw.gather(1, tokens[:, None])
-    # Ranking by raw logits equals ranking by logprob (a per-row shift) without rounding ties.
-    sampled_rank = ((raw > sampled_logit).sum(-1) + 1).tolist()
-    sampled_logprob = (sampled_logit - log_norm).squeeze(1).tolist()
-    k = max(row.params.logprobs for row in rows)
+    """Logprob dicts (sampled token + top-k) from a copy of the unmodified logits of the rows that asked.
+
+    Overwrites ``raw``.
+    """
+    k = min(max(row.params.logprobs for row in rows), raw.shape[1])  # asking for more than V gets all V
     top_logit, top_ids = raw.topk(k, dim=-1)
+    sampled_logit = raw.gather(1, tokens[:, None])
+    # Ranking by raw logits equals ranking by logprob (a per-row shift) without rounding ties. An int32
+    # count is about twice as fast as the default int64 one on CPU.
+    sampled_rank = ((raw > sampled_logit).sum(-1, dtype=torch.int32) + 1).tolist()
+    # logsumexp, computed in place to avoid an [N, V] temporary.
+    row_max = raw.amax(-1, keepdim=True)
+    log_norm = raw.sub_(row_max).exp_().sum(-1, keepdim=True).log_().add_(row_max)
+    sampled_logprob = (sampled_logit - log_norm).squeeze(1).tolist()
     top_logprob = (top_logit - log_norm).tolist()
     top_logit_list, top_ids_list = top_logit.tolist(), top_ids.tolist()
 
@@ -266,7 +307,7 @@ def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]) 
     for j, (row, token) in enumerate(zip(rows, tokens.tolist(), strict=True)):
         entry = {token: Logprob(sampled_logprob[j], sampled_rank[j])}
         rank = 0
-        for pos in range(row.params.logprobs):
+        for pos in range(min(row.params.logprobs, k)):
             # Tied logits share a rank: 1 + the number of strictly larger ones, all earlier in the top-k.
             if pos == 0 or top_logit_list[j][pos] < top_logit_list[j][pos - 1]:
                 rank = pos + 1
