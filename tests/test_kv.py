@@ -76,3 +76,18 @@ def test_random_workload_keeps_every_block_accounted_for():
     for seq in list(lengths):
         kv.free(seq)
     assert kv.pool.num_free == 40
+
+
+def test_kv_pool_tensors_start_zeroed_in_the_documented_layout():
+    # Padded positions are weighted by exactly 0 in attention; 0 x garbage (NaN) would poison outputs.
+    import torch
+
+    from pagedllm.worker.cache_engine import CacheEngine, KVShape
+
+    shape = KVShape(num_layers=2, num_kv_heads=3, head_dim=8, block_size=4, dtype=torch.bfloat16)
+    cache = CacheEngine(shape, num_blocks=5)
+    assert len(cache.kv_caches) == 2
+    for k, v in cache.kv_caches:
+        assert k.shape == v.shape == (5, 4, 3, 8) and k.dtype == torch.bfloat16
+        assert not k.any() and not v.any()
+    assert shape.blocks_for_memory(10 * shape.bytes_per_block + 1) == 10

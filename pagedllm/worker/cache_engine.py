@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -29,8 +30,18 @@ class CacheEngine:
         self.shape = shape
         self.num_blocks = num_blocks
         dims = (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
-        # `empty`, not `zeros`: pages are touched on first write, so start-up does not pay for the whole pool.
         self.kv_caches = [
-            (torch.empty(dims, dtype=shape.dtype, device=device), torch.empty(dims, dtype=shape.dtype, device=device))
-            for _ in range(shape.num_layers)
+            (zeroed(dims, shape.dtype, device), zeroed(dims, shape.dtype, device)) for _ in range(shape.num_layers)
         ]
+
+
+def zeroed(dims: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zero-filled tensor. Zeros matter: attention multiplies padded positions by a weight of 0, and
+    0 times leftover garbage (a NaN bit pattern) would poison the output. On the CPU the memory comes
+    from numpy's calloc, whose fresh pages the OS zeroes lazily, so a 4 GiB pool costs nothing at start-up."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(dims, dtype=dtype, device=device)
+    num_bytes = torch.empty((), dtype=dtype).element_size()
+    for dim in dims:
+        num_bytes *= dim
+    return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(dims)
