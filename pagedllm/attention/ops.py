@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.attention import native
 from pagedllm.attention.reference import reference_attention
 
 DECODE_GROUP_SIZE = 16
@@ -50,6 +51,27 @@ class DecodeGroup:
 
 
 @dataclass(slots=True)
+class DecodeBatch:
+    """Every sequence with exactly one query token this step."""
+
+    token_index: torch.Tensor  # [S] int64 rows of the flat batch
+    block_tables: torch.Tensor  # [S, max_blocks] int32
+    seq_lens: torch.Tensor  # [S] int32
+    block_size: int
+    _groups: list[DecodeGroup] | None = None
+
+    def groups(self) -> list[DecodeGroup]:
+        """The torch path's length-sorted padded groups, built on first use and shared by all layers."""
+        if self._groups is None:
+            lens = self.seq_lens.tolist()
+            order = sorted(range(len(lens)), key=lens.__getitem__)
+            self._groups = [
+                _plan_group(self, order[i : i + DECODE_GROUP_SIZE]) for i in range(0, len(order), DECODE_GROUP_SIZE)
+            ]
+        return self._groups
+
+
+@dataclass(slots=True)
 class PrefillSeq:
     """One sequence with several query tokens (a prefill chunk, maybe after cached tokens)."""
 
@@ -66,7 +88,7 @@ class PrefillSeq:
 
 @dataclass(slots=True)
 class AttentionPlan:
-    decode: list[DecodeGroup]
+    decode: DecodeBatch | None
     prefills: list[PrefillSeq]
     workspace: Workspace
 
@@ -96,29 +118,31 @@ def plan_attention(
 ) -> AttentionPlan:
     lens = seq_lens.tolist()
     starts = query_start_loc.tolist()
-    decode_rows = sorted((s for s in range(len(lens)) if starts[s + 1] - starts[s] == 1), key=lambda s: lens[s])
-    groups = [
-        _plan_decode(block_tables, lens, starts, decode_rows[i : i + DECODE_GROUP_SIZE], block_size)
-        for i in range(0, len(decode_rows), DECODE_GROUP_SIZE)
-    ]
+    decode_rows = [s for s in range(len(lens)) if starts[s + 1] - starts[s] == 1]
+    decode = None
+    if decode_rows:
+        rows = torch.tensor(decode_rows, dtype=torch.long)
+        decode = DecodeBatch(
+            token_index=query_start_loc[rows].long(),
+            block_tables=block_tables[rows].int().contiguous(),
+            seq_lens=seq_lens[rows].int().contiguous(),
+            block_size=block_size,
+        )
     prefills = [
         PrefillSeq(starts[s], starts[s + 1], block_tables[s, : -(-lens[s] // block_size)].long(), lens[s])
         for s in range(len(lens))
         if starts[s + 1] - starts[s] > 1
     ]
-    return AttentionPlan(groups, prefills, workspace or Workspace())
+    return AttentionPlan(decode, prefills, workspace or Workspace())
 
 
-def _plan_decode(
-    block_tables: torch.Tensor, lens: list[int], starts: list[int], rows: list[int], block_size: int
-) -> DecodeGroup:
+def _plan_group(batch: DecodeBatch, rows: list[int]) -> DecodeGroup:
     index = torch.tensor(rows, dtype=torch.long)
-    group_lens = torch.tensor([lens[s] for s in rows])
-    max_blocks = -(-int(group_lens.max()) // block_size)
-    block_ids = block_tables[index, :max_blocks].reshape(-1).long()
-    invalid = torch.arange(max_blocks * block_size)[None, :] >= group_lens[:, None]
-    token_index = torch.tensor([starts[s] for s in rows], dtype=torch.long)
-    return DecodeGroup(token_index, block_ids, invalid[:, :, None])
+    group_lens = batch.seq_lens[index].long()
+    max_blocks = -(-int(group_lens.max()) // batch.block_size)
+    block_ids = batch.block_tables[index, :max_blocks].reshape(-1).long()
+    invalid = torch.arange(max_blocks * batch.block_size)[None, :] >= group_lens[:, None]
+    return DecodeGroup(batch.token_index[index], block_ids, invalid[:, :, None])
 
 
 def run_planned(
@@ -133,8 +157,8 @@ def run_planned(
     """Attention for the flat batch. `key`/`value`, when given, are this step's (already written to
     the cache): a prompt that is its whole context then attends to them without a gather."""
     out = torch.empty_like(query)
-    for group in plan.decode:
-        out[group.token_index] = _attend_decode(query, k_cache, v_cache, group, plan.workspace, scale)
+    if plan.decode is not None:
+        _attend_decode_batch(query, k_cache, v_cache, plan, scale, out)
     for seq in plan.prefills:
         rows = slice(seq.query_start, seq.query_end)
         if seq.is_whole_context and key is not None and value is not None:
@@ -142,6 +166,22 @@ def run_planned(
         else:
             out[rows] = _attend_after_prefix(query[rows], k_cache, v_cache, seq, scale)
     return out
+
+
+def _attend_decode_batch(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: AttentionPlan,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    batch = plan.decode
+    if native.supports(query, k_cache):
+        native.paged_decode(query, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.token_index, out, scale)
+        return
+    for group in batch.groups():
+        out[group.token_index] = _attend_decode(query, k_cache, v_cache, group, plan.workspace, scale)
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -178,10 +218,12 @@ def _decode_block_diagonal(
     block_q = q.new_zeros(num_seqs, num_kv_heads, head_dim, num_kv_heads, group)
     for kv_head in range(num_kv_heads):
         block_q[:, kv_head, :, kv_head, :] = grouped[:, kv_head].transpose(1, 2)
-    scores = torch.bmm(keys, block_q.view(num_seqs, -1, num_heads)).float().mul_(scale)  # [S, L, H]
+    scores = torch.bmm(keys.float(), block_q.view(num_seqs, -1, num_heads).float()).mul_(scale)  # [S, L, H]
     scores.masked_fill_(invalid, float("-inf"))
-    weights = torch.softmax(scores, dim=1).to(q.dtype)
-    mixed = torch.bmm(weights.transpose(1, 2), values)  # [S, H, H_kv*D]: keep each head's own KV head
+    weights = torch.softmax(scores, dim=1)
+    mixed = torch.bmm(weights.transpose(1, 2), values.float()).to(
+        q.dtype
+    )  # [S, H, H_kv*D]: keep each head's own KV head
     mixed = mixed.view(num_seqs, num_kv_heads, group, num_kv_heads, head_dim)
     return torch.diagonal(mixed, dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(num_seqs, num_heads, head_dim)
 
@@ -197,18 +239,24 @@ def _decode_per_kv_head(
     out = q.new_empty(num_seqs, num_kv_heads, group, head_dim)
     mask = invalid.view(num_seqs, 1, -1)
     for kv_head in range(num_kv_heads):
-        scores = torch.bmm(grouped[:, kv_head], keys[:, :, kv_head].transpose(1, 2)).float().mul_(scale)
+        scores = torch.bmm(grouped[:, kv_head].float(), keys[:, :, kv_head].transpose(1, 2).float()).mul_(scale)
         scores.masked_fill_(mask, float("-inf"))
-        out[:, kv_head] = torch.bmm(torch.softmax(scores, dim=-1).to(q.dtype), values[:, :, kv_head])
+        out[:, kv_head] = torch.bmm(torch.softmax(scores, dim=-1), values[:, :, kv_head].float())
     return out.view(num_seqs, num_heads, head_dim)
 
 
 def _attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """A prompt (chunk) that is its own whole context: plain causal attention on this step's K/V."""
+    """A prompt (chunk) that is its own whole context: plain causal attention on this step's K/V.
+    Inputs get a batch dimension because only 4-D inputs reach torch's fused CPU kernel (2x faster)."""
     out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale, enable_gqa=True
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        is_causal=True,
+        scale=scale,
+        enable_gqa=True,
     )
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 def _attend_after_prefix(
@@ -221,13 +269,13 @@ def _attend_after_prefix(
     keys = k_cache.index_select(0, seq.block_ids).view(-1, num_kv_heads, head_dim)[: seq.seq_len]
     values = v_cache.index_select(0, seq.block_ids).view(-1, num_kv_heads, head_dim)[: seq.seq_len]
     q = query.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, -1, head_dim)
-    scores = torch.matmul(q, keys.permute(1, 2, 0)).float().mul_(scale).view(num_kv_heads, group, q_len, -1)
+    scores = torch.matmul(q.float(), keys.permute(1, 2, 0).float()).mul_(scale).view(num_kv_heads, group, q_len, -1)
     key_positions = torch.arange(seq.seq_len)
     query_positions = torch.arange(seq.seq_len - q_len, seq.seq_len)
     scores.masked_fill_(key_positions[None, :] > query_positions[:, None], float("-inf"))
-    weights = torch.softmax(scores, dim=-1).to(query.dtype).view(num_kv_heads, group * q_len, -1)
-    out = torch.matmul(weights, values.transpose(0, 1)).view(num_kv_heads * group, q_len, head_dim)
-    return out.transpose(0, 1)
+    weights = torch.softmax(scores, dim=-1).view(num_kv_heads, group * q_len, -1)
+    out = torch.matmul(weights, values.transpose(0, 1).float()).view(num_kv_heads * group, q_len, head_dim)
+    return out.transpose(0, 1).to(query.dtype)
 
 
 def paged_attention(
