@@ -72,6 +72,9 @@ def test_write_kv_stores_at_slots_and_skips_padding():
     assert int((k_cache != 0).sum()) == 5  # key[2] holds one zero; nothing else was written
 
 
-def test_native_kernel_builds_here():
+def test_native_kernel_builds_here_and_leaves_float_state_alone():
     # CI machines have gcc: the fast path must really be exercised, not silently skipped.
     assert native.library() is not None
+    # A library linked with -ffast-math would switch the whole process to flush-to-zero.
+    smallest_subnormal = 5e-324
+    assert smallest_subnormal * 2 > 0

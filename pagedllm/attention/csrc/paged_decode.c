@@ -100,6 +100,7 @@ static inline float f32_store(float x) { return x; }
                 for (int64_t h = 0; h < num_heads; h++) {                                              \
                     float *s = scores + h * len;                                                       \
                     float top = s[0], total = 0.f;                                                     \
+                    _Pragma("omp simd reduction(max : top)")                                          \
                     for (int64_t pos = 1; pos < len; pos++) top = s[pos] > top ? s[pos] : top;         \
                     _Pragma("omp simd reduction(+ : total)")                                           \
                     for (int64_t pos = 0; pos < len; pos++) {                                          \
