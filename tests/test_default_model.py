@@ -24,26 +24,40 @@ def smollm_llm():
     return LLM(dtype="float32", block_size=16, num_kv_blocks=512)
 
 
-def test_default_model_greedy_matches_transformers(smollm_llm, smollm_folder):
-    tokenizer = smollm_llm.get_tokenizer()
-    texts = [
-        "The capital of France is",
-        "def fibonacci(n):",
-        "Once upon a time, in a land far away, there lived a",
-        "1, 2, 3, 4,",
-        "Paged attention is",
-        "The three primary colours are red, green and",
-        "Translate to French: good morning ->",
-        "Water boils at a temperature of",
-    ]
-    prompts = [tokenizer.encode(t) for t in texts]
-    refs = reference_greedy(smollm_folder, prompts, MAX_NEW)
+TEXTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away, there lived a",
+    "1, 2, 3, 4,",
+    "Paged attention is",
+    "The three primary colours are red, green and",
+    "Translate to French: good morning ->",
+    "Water boils at a temperature of",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm_case(smollm_llm, smollm_folder):
+    prompts = [smollm_llm.get_tokenizer().encode(t) for t in TEXTS]
+    return prompts, reference_greedy(smollm_folder, prompts, MAX_NEW)
+
+
+@pytest.mark.parametrize(
+    ("block_size", "num_kv_blocks"),
+    [(16, 512), (1, 8192), (32, 256), (4, 36)],
+    ids=["block16", "block1", "block32", "preempting"],
+)
+def test_default_model_greedy_matches_transformers(smollm_case, block_size, num_kv_blocks):
+    prompts, refs = smollm_case
+    llm = LLM(dtype="float32", block_size=block_size, num_kv_blocks=num_kv_blocks)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
-    outputs = smollm_llm.generate(prompts, params, use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     result = compare_greedy(outputs, refs)
     print(f"{result.exact}/{len(refs)} sequences matched exactly, {result.near_ties} near-ties")
     assert not result.failures, result.failures
     assert result.exact >= len(refs) // 2
+    # 8 sequences of up to 31 tokens need up to 64 blocks of 4: a pool of 36 must preempt.
+    assert (llm.stats().num_preemptions > 0) == (num_kv_blocks == 36)
 
 
 def test_default_model_chat_answers_paris(smollm_llm):
