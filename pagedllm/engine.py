@@ -302,7 +302,7 @@ def _kv_shape(loaded: LoadedModel, config: EngineConfig) -> KVShape:
 def _max_model_len(loaded: LoadedModel, config: EngineConfig, num_blocks: int) -> int:
     """The model's own limit, or the user's if smaller. If the user asks for more than the pool
     holds, requests that need more than the pool are refused one by one when they arrive."""
-    model_limit = getattr(loaded.config, "max_position_embeddings", None) or 2048
+    model_limit = loaded.config.max_position_embeddings
     if config.max_model_len is None:
         return min(model_limit, num_blocks * config.block_size)
     if config.max_model_len > model_limit:

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 
 from pagedllm.attention import AttentionPlan, run_planned, write_kv
+from pagedllm.models.config import ModelConfig
 
 
 @dataclass(slots=True)
@@ -26,10 +26,32 @@ class StepContext:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
 
 
+class Linear(nn.Module):
+    """`nn.Linear` without random initialisation: the weights always come from a checkpoint, and
+    skipping the init saves start-up time."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    def __init__(self, num_embeddings: int, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, dim), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(ids, self.weight)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -40,7 +62,7 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, config: PretrainedConfig, head_dim: int) -> None:
+    def __init__(self, config: ModelConfig, head_dim: int) -> None:
         super().__init__()
         inv_freq, self.scaling = rope_inv_freq(config, head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -51,25 +73,18 @@ class RotaryEmbedding(nn.Module):
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
 
 
-def rope_inv_freq(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
-    params = rope_parameters(config)
-    rope_type = params.get("rope_type", params.get("type", "default"))
+def rope_inv_freq(config: ModelConfig, head_dim: int) -> tuple[torch.Tensor, float]:
+    rope_type = config.rope["rope_type"]
     if rope_type == "default":
-        theta = float(params["rope_theta"])
+        theta = float(config.rope["rope_theta"])
         return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0
     if rope_type == "dynamic":
         raise ValueError("rope_type 'dynamic' depends on the batch's length and is not supported")
+    # Scaled variants (linear, llama3, yarn, ...) come from transformers itself, so they match it exactly.
+    from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    return ROPE_INIT_FUNCTIONS[rope_type](config)
-
-
-def rope_parameters(config: PretrainedConfig) -> dict:
-    """transformers ≥ 5 groups theta and scaling in `rope_parameters`; older configs keep them apart."""
-    params = getattr(config, "rope_parameters", None)
-    if params:
-        return dict(params)
-    return {"rope_theta": getattr(config, "rope_theta", 10000.0), **(getattr(config, "rope_scaling", None) or {})}
+    return ROPE_INIT_FUNCTIONS[rope_type](AutoConfig.from_pretrained(config.folder))
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -79,18 +94,18 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer_index: int) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         self.layer_index = layer_index
-        bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
+        bias = config.attention_bias
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: StepContext) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -105,12 +120,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        bias = bool(getattr(config, "mlp_bias", False))
+        bias = config.mlp_bias
         self.intermediate = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=bias)
-        self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate, bias=bias)
+        self.down_proj = Linear(self.intermediate, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -118,7 +133,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer_index: int) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, layer_index)
@@ -131,14 +146,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if getattr(config, "tie_word_embeddings", False):
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config, self.layers[0].self_attn.head_dim)
 

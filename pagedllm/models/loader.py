@@ -7,9 +7,10 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from pagedllm.models.llama import LlamaForCausalLM, RotaryEmbedding
+from pagedllm.models.config import ModelConfig
+from pagedllm.models.llama import LlamaForCausalLM
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM"}
 
@@ -23,7 +24,7 @@ _FUSED = {
 @dataclass(slots=True)
 class LoadedModel:
     model: LlamaForCausalLM
-    config: PretrainedConfig
+    config: ModelConfig
     tokenizer: PreTrainedTokenizerBase
     folder: Path
 
@@ -43,19 +44,16 @@ def resolve_model_folder(model: str | Path | None) -> Path:
 
 def load_model(model: str | Path | None, dtype: torch.dtype) -> LoadedModel:
     folder = resolve_model_folder(model)
-    config = AutoConfig.from_pretrained(folder)
-    architectures = set(getattr(config, "architectures", None) or ["LlamaForCausalLM"])
-    if not architectures & SUPPORTED_ARCHITECTURES:
+    config = ModelConfig.from_folder(folder)
+    if not set(config.architectures) & SUPPORTED_ARCHITECTURES:
         raise ValueError(
-            f"unsupported architecture {sorted(architectures)}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+            f"unsupported architecture {list(config.architectures)}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
         )
-    # Build on the meta device so no memory is touched twice, then assign the checkpoint's tensors.
-    with torch.device("meta"):
-        net = LlamaForCausalLM(config)
+    # Parameters start as uninitialised (untouched) memory; the checkpoint's tensors replace them.
+    net = LlamaForCausalLM(config)
     net.load_state_dict(_read_state_dict(folder, net, dtype), assign=True)
-    if getattr(config, "tie_word_embeddings", False):
+    if config.tie_word_embeddings:
         net.lm_head.weight = net.embed_tokens.weight
-    net.rotary = RotaryEmbedding(config, net.layers[0].self_attn.head_dim)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return LoadedModel(net.eval().requires_grad_(False), config, tokenizer, folder)
 
