@@ -1,5 +1,6 @@
 """pagedllm: an LLM inference and serving engine built on PagedAttention."""
 
+from pagedllm.beam_search import BeamSearchParams
 from pagedllm.config import EngineConfig
 from pagedllm.engine import EngineStats, LLMEngine
 from pagedllm.entrypoints.llm import LLM
@@ -8,6 +9,7 @@ from pagedllm.sampling_params import SamplingParams
 
 __all__ = [
     "LLM",
+    "BeamSearchParams",
     "CompletionOutput",
     "EngineConfig",
     "EngineStats",

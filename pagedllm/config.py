@@ -30,6 +30,9 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     seed: int = 0
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"
+    swap_space: float = 4.0  # GiB of CPU memory for blocks swapped out (used when preemption_mode="swap")
 
     def __post_init__(self) -> None:
         _require_positive("block_size", self.block_size)
@@ -40,6 +43,10 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
             raise ValueError("give num_kv_blocks or kv_cache_memory, not both")
         resolve_dtype(self.dtype)
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if isinstance(self.swap_space, bool) or not isinstance(self.swap_space, int | float) or self.swap_space < 0:
+            raise ValueError(f"swap_space must be a non-negative number of GiB, got {self.swap_space!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -27,6 +27,7 @@ class SamplingParams:
     """
 
     n: int = 1
+    best_of: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -46,6 +47,8 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self.n = _check_int("n", self.n)
+        if self.best_of is not None:
+            self.best_of = _check_int("best_of", self.best_of)
         self.temperature = _check_float("temperature", self.temperature)
         self.top_p = _check_float("top_p", self.top_p)
         self.top_k = _check_int("top_k", self.top_k)
@@ -72,6 +75,10 @@ class SamplingParams:
     def _verify_ranges(self) -> None:
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of must be at least n={self.n}, got {self.best_of}")
+        if self.best_of is not None and self.best_of > self.n and self.temperature < _SAMPLING_EPS:
+            raise ValueError("best_of must equal n when sampling greedily (temperature 0)")
         if self.temperature < 0.0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -96,6 +103,11 @@ class SamplingParams:
             raise ValueError(f"logprobs must be non-negative, got {self.logprobs}")
 
     @property
+    def num_samples(self) -> int:
+        """How many sequences run: best_of when given (the best n of them are returned), else n."""
+        return self.best_of or self.n
+
+    @property
     def is_greedy(self) -> bool:
         return self.temperature < _SAMPLING_EPS
 
@@ -108,8 +120,8 @@ class SamplingParams:
     def sample_seed(self, index: int) -> int | None:
         """Seed for the generator of the ``index``-th of the ``n`` samples: distinct per sample, so that the
         n completions of a seeded request differ from each other yet are all reproducible."""
-        if not 0 <= index < self.n:
-            raise ValueError(f"index must be in [0, n={self.n}), got {index}")
+        if not 0 <= index < self.num_samples:
+            raise ValueError(f"index must be in [0, {self.num_samples}), got {index}")
         return None if self.seed is None else self.seed + index
 
 

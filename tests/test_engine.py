@@ -28,10 +28,11 @@ def check_accounting(engine: LLMEngine) -> None:
     kv = engine.kv
     kv.check_invariants()
     assert kv.pool.num_free + kv.pool.num_used == kv.num_blocks
-    for seq in engine.scheduler.running:
-        assert len(kv.block_table(seq.seq_id)) * kv.block_size >= seq.num_computed_tokens
-    for seq in engine.scheduler.waiting:
-        assert seq.seq_id not in kv.block_tables
+    for group in engine.scheduler.running:
+        for seq in group.live_seqs():
+            assert len(kv.block_tables.get(seq.seq_id, [])) * kv.block_size >= seq.num_computed_tokens
+    for group in engine.scheduler.waiting:
+        assert all(seq.seq_id not in kv.block_tables for seq in group.live_seqs())
 
 
 def test_every_block_accounted_for_after_every_step_with_preemption(tiny_llama):
@@ -55,7 +56,7 @@ def test_utilization_in_a_steady_batch_meets_the_paged_bound(tiny_llama):
     checked = 0
     while engine.has_unfinished_requests():
         engine.step()
-        running = engine.scheduler.running
+        running = [seq for group in engine.scheduler.running for seq in group.live_seqs()]
         if len(running) == 8 and all(seq.num_output_tokens > 0 for seq in running):
             mean_len = sum(seq.num_computed_tokens for seq in running) / len(running)
             assert engine.stats().kv_utilization >= 1 - (block_size - 1) / mean_len

@@ -39,20 +39,21 @@ def test_freed_blocks_are_reused_oldest_first_and_chain_tail_first():
 
 def test_slots_grow_block_by_block():
     kv = KVCacheManager(num_blocks=10, block_size=4)
-    assert kv.allocate_slots(7, 5)
+    copies: list = []
+    assert kv.allocate_slots(7, 0, 5, copies)
     assert len(kv.block_table(7)) == 2
-    assert kv.allocate_slots(7, 8)
+    assert kv.allocate_slots(7, 5, 3, copies)
     assert len(kv.block_table(7)) == 2
-    assert kv.allocate_slots(7, 9)
-    assert len(kv.block_table(7)) == 3
+    assert kv.allocate_slots(7, 8, 1, copies)
+    assert len(kv.block_table(7)) == 3 and copies == []
     assert kv.utilization() == pytest.approx(9 / 12)
 
 
 def test_failed_allocation_changes_nothing():
     kv = KVCacheManager(num_blocks=3, block_size=4)
-    assert kv.allocate_slots(1, 8)
-    assert not kv.allocate_slots(2, 8)
-    assert 2 not in kv.block_tables
+    assert kv.allocate_slots(1, 0, 8, [])
+    assert not kv.allocate_slots(2, 0, 8, [])
+    assert kv.block_tables.get(2, []) == []
     assert kv.pool.num_free == 1
     kv.check_invariants()
 
@@ -68,7 +69,7 @@ def test_random_workload_keeps_every_block_accounted_for():
             del lengths[seq]
         else:
             target = lengths.get(seq, 0) + rng.randint(1, 6)
-            if kv.allocate_slots(seq, target):
+            if kv.allocate_slots(seq, lengths.get(seq, 0), target - lengths.get(seq, 0), []):
                 lengths[seq] = target
         kv.check_invariants()
         assert kv.pool.num_free + kv.pool.num_used == 40

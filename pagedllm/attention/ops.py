@@ -102,6 +102,11 @@ def write_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Store each token's K/V at its slot (`block * block_size + offset`); a negative slot is padding."""
+    if k_cache.is_cuda:
+        from pagedllm.attention import triton_ops  # imported on first GPU use: triton is optional
+
+        triton_ops.write_kv(key, value, k_cache, v_cache, slot_mapping)
+        return
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
@@ -157,6 +162,10 @@ def run_planned(
 ) -> torch.Tensor:
     """Attention for the flat batch. `key`/`value`, when given, are this step's (already written to
     the cache): a prompt that is its whole context then attends to them without a gather."""
+    if query.is_cuda:
+        from pagedllm.attention import triton_ops
+
+        return triton_ops.run_planned(query, k_cache, v_cache, plan, scale)
     out = torch.empty_like(query)
     if plan.decode is not None:
         _attend_decode_batch(query, k_cache, v_cache, plan, scale, out)
@@ -293,14 +302,20 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention of a flat batch of S sequences through their block tables (see DESIGN.md).
 
-    `partition_size` belongs to the partitioned GPU kernel; the CPU paths attend to the whole
-    context at once, which is exact, so they accept and ignore it.
+    `backend` defaults to "triton" for CUDA tensors and "cpu" otherwise. `partition_size` (default 512)
+    belongs to the Triton decode kernels: the context length of one v2 partition, and an input of the
+    v1/v2 choice. The CPU paths attend to the whole context at once, which is exact, so they ignore it.
     """
-    del partition_size
-    backend = backend or "cpu"
+    backend = backend or ("triton" if query.is_cuda else "cpu")
+    if backend == "triton":
+        from pagedllm.attention import triton_ops
+
+        partition_size = partition_size or triton_ops.DEFAULT_PARTITION_SIZE
+        args = (query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+        return triton_ops.paged_attention(*args, partition_size=partition_size)
     if backend == "reference":
         return reference_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
     if backend != "cpu":
-        raise ValueError(f"backend must be 'reference' or 'cpu', got {backend!r}")
+        raise ValueError(f"backend must be 'reference', 'cpu' or 'triton', got {backend!r}")
     plan = plan_attention(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
     return run_planned(query, None, None, k_cache, v_cache, plan, scale)

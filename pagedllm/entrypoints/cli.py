@@ -21,6 +21,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse cached prompt blocks",
+    )
+    parser.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
+    parser.add_argument("--swap-space", type=float, default=4.0, help="GiB of CPU swap space for preemption by swap")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -44,6 +52,9 @@ def build_llm(args: argparse.Namespace) -> LLM:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         seed=args.seed,
+        enable_prefix_caching=args.enable_prefix_caching,
+        preemption_mode=args.preemption_mode,
+        swap_space=args.swap_space,
     )
 
 

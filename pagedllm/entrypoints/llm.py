@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from pagedllm.beam_search import BeamSearchParams
 from pagedllm.config import EngineConfig
 from pagedllm.engine import EngineStats, LLMEngine, PromptInput
 from pagedllm.outputs import RequestOutput
@@ -29,6 +30,9 @@ class LLM:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int | None = None,
         seed: int = 0,
+        enable_prefix_caching: bool = True,
+        preemption_mode: str = "recompute",
+        swap_space: float = 4.0,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -40,6 +44,9 @@ class LLM:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             seed=seed,
+            enable_prefix_caching=enable_prefix_caching,
+            preemption_mode=preemption_mode,
+            swap_space=swap_space,
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
@@ -49,6 +56,26 @@ class LLM:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (refused while requests hold blocks)."""
+        self.engine.reset_prefix_cache()
+
+    def beam_search(
+        self, prompts: PromptInput | Seq[PromptInput], params: BeamSearchParams, use_tqdm: bool = False
+    ) -> list[RequestOutput]:
+        """Beam search per prompt; each result's outputs are its beams, best score first."""
+        batch = _as_prompt_list(prompts)
+        request_ids: list[str] = []
+        try:
+            for prompt in batch:
+                request_ids.append(str(next(self._ids)))
+                self.engine.add_beam_request(request_ids[-1], prompt, params)
+        except Exception:
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+            raise
+        return self._run(request_ids, use_tqdm)
 
     def generate(
         self,

@@ -1,8 +1,15 @@
-"""Which blocks belong to which sequence: block tables, slot reservation, utilization."""
+"""Which blocks belong to which sequence: block tables, copy-on-write, forks, prefix caching, swap.
+
+Everything here is bookkeeping over block ids; the copies and swaps it decides are returned as
+(source, destination) pairs that the cache engine carries out on the tensors before the forward pass.
+"""
 
 from __future__ import annotations
 
 from pagedllm.kv.block_pool import BlockPool
+from pagedllm.kv.prefix_hash import ROOT_HASH, hash_blocks
+
+BlockPair = tuple[int, int]
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -10,13 +17,24 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_cpu_blocks: int = 0
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
+        self.cpu_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks else None
         self.block_tables: dict[int, list[int]] = {}
+        self.swapped_tables: dict[int, list[int]] = {}
         self._num_tokens: dict[int, int] = {}
+        self._swapped_tokens: dict[int, int] = {}
+        self._hashes: dict[int, list[bytes]] = {}
+        self._salts: dict[int, str | None] = {}
+        self.num_cow_copies = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     @property
     def num_blocks(self) -> int:
@@ -25,43 +43,179 @@ class KVCacheManager:
     def can_ever_fit(self, num_tokens: int) -> bool:
         return blocks_needed(num_tokens, self.block_size) <= self.pool.num_blocks
 
-    def allocate_slots(self, seq_id: int, num_tokens: int) -> bool:
-        """Make room for a sequence to hold `num_tokens` tokens in all; False if the pool is short."""
+    # ---- a sequence's life ----------------------------------------------------------------
+
+    def start_sequence(self, seq_id: int, token_ids: list[int], salt: str | None) -> int:
+        """Open a block table holding the longest cached prefix of `token_ids`; returns the number of
+        tokens it covers. Never the last token: its logits must still be computed."""
+        self._salts[seq_id] = salt
+        blocks, hashes = self._lookup(token_ids, salt)
+        for block in blocks:
+            self.pool.take(block)
+        self.block_tables[seq_id] = blocks
+        self._hashes[seq_id] = hashes
+        self._num_tokens[seq_id] = len(blocks) * self.block_size
+        return len(blocks) * self.block_size
+
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_cache_queries += num_tokens
+        self.prefix_cache_hits += num_hit_tokens
+
+    def _lookup(self, token_ids: list[int], salt: str | None) -> tuple[list[int], list[bytes]]:
+        if not self.enable_prefix_caching:
+            return [], []
+        blocks: list[int] = []
+        hashes: list[bytes] = []
+        parent = ROOT_HASH
+        for index in range((len(token_ids) - 1) // self.block_size):
+            (block_hash,) = hash_blocks(token_ids, self.block_size, salt, index, index + 1, parent)
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+            hashes.append(block_hash)
+            parent = block_hash
+        return blocks, hashes
+
+    def allocate_slots(self, seq_id: int, num_computed: int, num_new: int, copies: list[BlockPair]) -> bool:
+        """Make room to write tokens `num_computed .. num_computed+num_new-1`. The block the first
+        of them lands in may be shared (after a fork): it is copied first, and the copy is appended
+        to `copies`. False, with nothing changed, if the pool is short."""
         table = self.block_tables.setdefault(seq_id, [])
-        missing = blocks_needed(num_tokens, self.block_size) - len(table)
-        if missing > self.pool.num_free:
-            if not table:
-                del self.block_tables[seq_id]
+        first = num_computed // self.block_size
+        shared = first < len(table) and self.pool.ref_counts[table[first]] > 1
+        missing = max(blocks_needed(num_computed + num_new, self.block_size) - len(table), 0)
+        if missing + shared > self.pool.num_free:
             return False
-        if missing > 0:
+        if shared:
+            (copy,) = self.pool.allocate(1)
+            copies.append((table[first], copy))
+            self.pool.free([table[first]])
+            table[first] = copy
+            self.num_cow_copies += 1
+        if missing:
             table.extend(self.pool.allocate(missing))
-        self._num_tokens[seq_id] = num_tokens
+        self._num_tokens[seq_id] = num_computed + num_new
         return True
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """The child shares every block of the parent; the first write into a shared block copies it."""
+        table = self.block_tables[parent_id]
+        for block in table:
+            self.pool.take(block)
+        self.block_tables[child_id] = list(table)
+        self._hashes[child_id] = list(self._hashes.get(parent_id, []))
+        self._salts[child_id] = self._salts.get(parent_id)
+        self._num_tokens[child_id] = self._num_tokens[parent_id]
+
+    def register_computed(self, seq_id: int, token_ids: list[int], num_computed: int) -> None:
+        """Make the sequence's newly completed full blocks findable by later prompts."""
+        if not self.enable_prefix_caching or seq_id not in self.block_tables:
+            return
+        hashes = self._hashes.setdefault(seq_id, [])
+        full = num_computed // self.block_size
+        if full <= len(hashes):
+            return
+        parent = hashes[-1] if hashes else ROOT_HASH
+        new = hash_blocks(token_ids, self.block_size, self._salts.get(seq_id), len(hashes), full, parent)
+        table = self.block_tables[seq_id]
+        for index, block_hash in enumerate(new, start=len(hashes)):
+            self.pool.register(table[index], block_hash)
+        hashes.extend(new)
 
     def free(self, seq_id: int) -> None:
         table = self.block_tables.pop(seq_id, None)
-        self._num_tokens.pop(seq_id, None)
+        cpu_table = self.swapped_tables.pop(seq_id, None)
+        for store in (self._num_tokens, self._swapped_tokens, self._hashes, self._salts):
+            store.pop(seq_id, None)
         if table:
             self.pool.free(table)
+        if cpu_table and self.cpu_pool is not None:
+            self.cpu_pool.free(cpu_table)
 
     def block_table(self, seq_id: int) -> list[int]:
         return self.block_tables[seq_id]
 
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_cache()
+
+    # ---- swapping -------------------------------------------------------------------------
+
+    def can_swap_out(self, seq_ids: list[int]) -> bool:
+        if self.cpu_pool is None:
+            return False
+        return len(_distinct(self.block_tables.get(s, []) for s in seq_ids)) <= self.cpu_pool.num_free
+
+    def swap_out(self, seq_ids: list[int]) -> list[BlockPair]:
+        """Move the blocks of these sequences (shared ones once) to CPU blocks; frees the pool blocks."""
+        assert self.cpu_pool is not None
+        moves = _move(self.block_tables, self.swapped_tables, seq_ids, self.pool, self.cpu_pool)
+        for seq_id in seq_ids:
+            self._swapped_tokens[seq_id] = self._num_tokens.pop(seq_id, 0)
+        return moves
+
+    def blocks_to_swap_in(self, seq_ids: list[int]) -> int:
+        return len(_distinct(self.swapped_tables[s] for s in seq_ids))
+
+    def swap_in(self, seq_ids: list[int]) -> list[BlockPair]:
+        assert self.cpu_pool is not None
+        moves = _move(self.swapped_tables, self.block_tables, seq_ids, self.cpu_pool, self.pool)
+        for seq_id in seq_ids:
+            self._num_tokens[seq_id] = self._swapped_tokens.pop(seq_id, 0)
+        return moves
+
+    # ---- numbers --------------------------------------------------------------------------
+
     def utilization(self) -> float:
-        """Tokens stored over the slots of the blocks that hold them: the η of the PagedAttention paper."""
+        """Tokens stored over the slots of the blocks that hold them: the η of the PagedAttention paper.
+        A token in a shared block counts once per sequence that reads it, so sharing can push η above 1."""
         used = self.pool.num_used
-        if used == 0:
-            return 0.0
-        return sum(self._num_tokens.values()) / (used * self.block_size)
+        held = sum(self._num_tokens.values())
+        return held / (used * self.block_size) if used and held else 0.0
+
+    def blocks_saved_by_sharing(self) -> int:
+        tables = list(self.block_tables.values())
+        return sum(len(t) for t in tables) - len(_distinct(tables))
 
     def check_invariants(self) -> None:
-        """Every block is either free or referenced exactly as often as block tables hold it."""
-        holders = [0] * self.pool.num_blocks
-        for table in self.block_tables.values():
-            for block in table:
-                holders[block] += 1
-        for block, count in enumerate(holders):
-            if self.pool.ref_counts[block] != count:
-                raise AssertionError(f"block {block}: ref count {self.pool.ref_counts[block]}, held {count}")
-            if (count == 0) != self.pool.is_free(block):
-                raise AssertionError(f"block {block}: free={self.pool.is_free(block)} with {count} holders")
+        """Every block's ref count equals the number of tables holding it; free iff unreferenced."""
+        _check_pool(self.pool, self.block_tables.values())
+        if self.cpu_pool is not None:
+            _check_pool(self.cpu_pool, self.swapped_tables.values())
+
+
+def _distinct(tables) -> list[int]:
+    return list(dict.fromkeys(block for table in tables for block in table))
+
+
+def _move(
+    source: dict[int, list[int]], target: dict[int, list[int]], seq_ids: list[int], src: BlockPool, dst: BlockPool
+) -> list[BlockPair]:
+    """Re-home the tables of `seq_ids` from one pool to the other, each distinct block once."""
+    tables = [source.pop(seq_id, []) for seq_id in seq_ids]
+    distinct = _distinct(tables)
+    mapping = dict(zip(distinct, dst.allocate(len(distinct)), strict=True))
+    for seq_id, table in zip(seq_ids, tables, strict=True):
+        moved = [mapping[block] for block in table]
+        target[seq_id] = moved
+        src.free(table)
+    for block in mapping.values():  # allocate gave one reference; each further holder takes one more
+        holders = sum(table.count(block) for table in (target[s] for s in seq_ids))
+        for _ in range(holders - 1):
+            dst.take(block)
+    return list(mapping.items())
+
+
+def _check_pool(pool: BlockPool, tables) -> None:
+    holders = [0] * pool.num_blocks
+    for table in tables:
+        for block in table:
+            holders[block] += 1
+    for block, count in enumerate(holders):
+        if pool.ref_counts[block] != count:
+            raise AssertionError(f"block {block}: ref count {pool.ref_counts[block]}, held {count}")
+        if (count == 0) != pool.is_free(block):
+            raise AssertionError(f"block {block}: free={pool.is_free(block)} with {count} holders")
+    for block_hash, block in pool.cached.items():
+        if pool.block_hash[block] != block_hash:
+            raise AssertionError(f"block {block}: cache map and block hash disagree")

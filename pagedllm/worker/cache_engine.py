@@ -26,13 +26,50 @@ class KVShape:
 
 
 class CacheEngine:
-    def __init__(self, shape: KVShape, num_blocks: int, device: torch.device | str = "cpu") -> None:
+    """Owns the KV tensors and the CPU swap space; carries out the block copies and swaps that the
+    scheduler decided, before the forward pass."""
+
+    def __init__(
+        self, shape: KVShape, num_blocks: int, num_cpu_blocks: int = 0, device: torch.device | str = "cpu"
+    ) -> None:
         self.shape = shape
         self.num_blocks = num_blocks
         dims = (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
+        cpu_dims = (num_cpu_blocks, *dims[1:])
+        self.cpu_caches = (
+            [
+                (zeroed(cpu_dims, shape.dtype, "cpu"), zeroed(cpu_dims, shape.dtype, "cpu"))
+                for _ in range(shape.num_layers)
+            ]
+            if num_cpu_blocks
+            else []
+        )
         self.kv_caches = [
             (zeroed(dims, shape.dtype, device), zeroed(dims, shape.dtype, device)) for _ in range(shape.num_layers)
         ]
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        _copy_between(self.kv_caches, self.cpu_caches, pairs)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        _copy_between(self.cpu_caches, self.kv_caches, pairs)
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        _copy_between(self.kv_caches, self.kv_caches, pairs)
+
+
+def _copy_between(
+    source: list[tuple[torch.Tensor, torch.Tensor]],
+    target: list[tuple[torch.Tensor, torch.Tensor]],
+    pairs: list[tuple[int, int]],
+) -> None:
+    if not pairs:
+        return
+    src = torch.tensor([s for s, _ in pairs], dtype=torch.long)
+    dst = torch.tensor([d for _, d in pairs], dtype=torch.long)
+    for (src_k, src_v), (dst_k, dst_v) in zip(source, target, strict=True):
+        dst_k.index_copy_(0, dst.to(dst_k.device), src_k.index_select(0, src.to(src_k.device)).to(dst_k.device))
+        dst_v.index_copy_(0, dst.to(dst_v.device), src_v.index_select(0, src.to(src_v.device)).to(dst_v.device))
 
 
 def zeroed(dims: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:

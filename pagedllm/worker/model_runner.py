@@ -40,7 +40,7 @@ def build_batch(scheduled: list[ScheduledSeq], block_tables: list[list[int]], bl
         query_lens.append(item.num_new_tokens)
         seq_lens.append(end)
     query_start = np.concatenate(([0], np.cumsum(query_lens)))
-    samples = [i for i, item in enumerate(scheduled) if item.samples]
+    samples = [i for i, item in enumerate(scheduled) if item.completes]
     return FlatBatch(
         input_ids=torch.tensor(ids, dtype=torch.long),
         positions=torch.from_numpy(np.concatenate(positions)),

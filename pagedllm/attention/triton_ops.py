@@ -1,0 +1,687 @@
+"""Paged attention in Triton: the GPU path, also run on the CPU under TRITON_INTERPRET=1 by the tests.
+
+Kernels, all on the `[num_blocks, block_size, H_kv, D]` cache layout:
+
+- `write_kv`: one program per token copies its K/V rows into its slot; a negative slot is skipped.
+- decode v1: one program per (sequence, KV head); the query heads sharing that KV head are the rows of one
+  tile, so every key and value is loaded once for the whole group. It walks the context with an online
+  softmax (running max, exp-sum and output, rescaled as the max grows).
+- decode v2: the same walk over one partition of `partition_size` positions per program; each writes its
+  partition's max logit, exp-sum and unnormalized output, and a reduce kernel merges them by the
+  log-sum-exp rule (m = max m_b, o = sum e^(m_b - m) o_b / sum e^(m_b - m) l_b). More programs per
+  sequence keep the GPU busy when there are few, long sequences.
+- mixed: prefill chunks (after cached prefixes) and decode tokens in one launch; a program takes up to
+  BLOCK_M (query token, query head) rows of one sequence and KV head, each row attending causally.
+
+Keys and values are read in tiles of TILE positions whose blocks are looked up position by position in
+the block table, so the tile width does not depend on the block size (1, 16, 32, or not a power of two).
+Logits are kept in base 2 (scaled by log2 e) so the softmax uses exp2, the GPU's native exponential.
+
+Dot products take float32 operands: float32 caches use exact IEEE products; bf16/fp16 values are exact
+in TF32, so TF32 tensor cores give them exact products with float32 accumulation, and the softmax
+weights keep 10 mantissa bits instead of bf16's 7. (Triton's interpreter also multiplies bf16 operands
+of `tl.dot` as their raw bits, so a bf16 dot could not be tested on the CPU.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+if TYPE_CHECKING:
+    from pagedllm.attention.ops import AttentionPlan
+
+DEFAULT_PARTITION_SIZE = 512
+# vLLM's rule for its v1/v2 decode kernels: one pass while the context is short enough and either one
+# partition covers it or there are already enough (sequence, head) pairs to fill the GPU.
+V1_MAX_CONTEXT = 8192
+V1_MIN_PARALLELISM = 512
+TILE = 64
+MIXED_BLOCK_M = 64
+# tl.dot needs every dimension of its operands to be at least 16.
+MIN_DOT_DIM = 16
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    """The compile-time shape of one attention call: what the kernels specialize on."""
+
+    group: int  # query heads per KV head
+    head_dim: int
+    block_size: int
+    dot_precision: str
+
+    @classmethod
+    def of(cls, query: torch.Tensor, k_cache: torch.Tensor) -> Geometry:
+        precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
+        return cls(query.shape[1] // k_cache.shape[2], query.shape[2], k_cache.shape[1], precision)
+
+    @property
+    def group_pad(self) -> int:
+        return max(MIN_DOT_DIM, triton.next_power_of_2(self.group))
+
+    @property
+    def head_pad(self) -> int:
+        return max(MIN_DOT_DIM, triton.next_power_of_2(self.head_dim))
+
+    def constexprs(self) -> dict[str, int | str]:
+        return {
+            "HEAD_DIM": self.head_dim,
+            "HEAD_PAD": self.head_pad,
+            "BLOCK_SIZE": self.block_size,
+            "TILE": TILE,
+            "DOT_PRECISION": self.dot_precision,
+        }
+
+
+def choose_decode_version(max_seq_len: int, num_seqs: int, num_heads: int, partition_size: int) -> int:
+    one_partition = max_seq_len <= partition_size
+    enough_programs = num_seqs * num_heads > V1_MIN_PARALLELISM
+    return 1 if max_seq_len <= V1_MAX_CONTEXT and (one_partition or enough_programs) else 2
+
+
+@triton.jit
+def _attend(
+    q,
+    k_ptr,
+    v_ptr,
+    table_ptr,
+    head_offset,
+    start,
+    end,
+    limit,
+    qk_scale,
+    stride_b,
+    stride_t,
+    dims,
+    dim_ok,
+    ROWS: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Attend the rows of `q` to positions [start, end) of one sequence, row r to those below limit[r];
+    `table_ptr` points at the sequence's block-table row. Returns the running max logit (base 2), exp-sum
+    and unnormalized output of each row."""
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    sums = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_PAD], tl.float32)
+    for tile_start in range(start, end, TILE):
+        pos = tile_start + tl.arange(0, TILE)
+        in_range = pos < end
+        block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
+        offsets = block * stride_b + (pos % BLOCK_SIZE) * stride_t + head_offset
+        kv_mask = in_range[:, None] & dim_ok[None, :]
+        k = tl.load(k_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        scores = tl.where(in_range[None, :] & (pos[None, :] < limit[:, None]), scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        # A row that has seen no visible position yet keeps m = -inf; subtracting 0 instead keeps
+        # exp2 away from -inf - (-inf) = NaN, and its weights are 0 either way.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(scores - m_safe[:, None])
+        sums = sums * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        m = m_new
+    return m, sums, acc
+
+
+@triton.jit
+def _load_group_query(
+    q_ptr, row, kv_head, stride_qt, stride_qh, dims, dim_ok, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr
+):
+    """The query heads of one KV head for query row `row`, as float32 rows [GROUP_PAD, HEAD_PAD]."""
+    members = tl.arange(0, GROUP_PAD)
+    member_ok = members < GROUP
+    heads = kv_head * GROUP + members
+    ptrs = q_ptr + row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :]
+    q = tl.load(ptrs, mask=member_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
+    return q, heads, member_ok
+
+
+@triton.jit
+def _decode_v1_kernel(
+    out_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    tables_ptr,
+    seq_lens_ptr,
+    rows_ptr,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_b,
+    stride_t,
+    stride_h,
+    stride_table,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    row = tl.load(rows_ptr + seq)
+    dims = tl.arange(0, HEAD_PAD)
+    dim_ok = dims < HEAD_DIM
+    q, heads, member_ok = _load_group_query(q_ptr, row, kv_head, stride_qt, stride_qh, dims, dim_ok, GROUP, GROUP_PAD)
+    limit = seq_len + tl.zeros([GROUP_PAD], tl.int32)
+    table_ptr = tables_ptr + seq.to(tl.int64) * stride_table
+    m, sums, acc = _attend(
+        q,
+        k_ptr,
+        v_ptr,
+        table_ptr,
+        kv_head * stride_h,
+        0,
+        seq_len,
+        limit,
+        qk_scale,
+        stride_b,
+        stride_t,
+        dims,
+        dim_ok,
+        GROUP_PAD,
+        HEAD_PAD,
+        BLOCK_SIZE,
+        TILE,
+        DOT_PRECISION,
+    )
+    out = acc / tl.where(sums > 0, sums, 1.0)[:, None]
+    ptrs = out_ptr + row.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+    tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=member_ok[:, None] & dim_ok[None, :])
+
+
+@triton.jit
+def _decode_v2_kernel(
+    m_out_ptr,
+    l_out_ptr,
+    acc_out_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    tables_ptr,
+    seq_lens_ptr,
+    rows_ptr,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_b,
+    stride_t,
+    stride_h,
+    stride_table,
+    num_heads,
+    num_parts,
+    PARTITION: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Partial results go to m/l `[S, H, num_parts]` and acc `[S, H, num_parts, HEAD_DIM]`, float32."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    part = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = part * PARTITION
+    if start >= seq_len:
+        return
+    end = tl.minimum(start + PARTITION, seq_len)
+    row = tl.load(rows_ptr + seq)
+    dims = tl.arange(0, HEAD_PAD)
+    dim_ok = dims < HEAD_DIM
+    q, heads, member_ok = _load_group_query(q_ptr, row, kv_head, stride_qt, stride_qh, dims, dim_ok, GROUP, GROUP_PAD)
+    limit = seq_len + tl.zeros([GROUP_PAD], tl.int32)
+    table_ptr = tables_ptr + seq.to(tl.int64) * stride_table
+    m, sums, acc = _attend(
+        q,
+        k_ptr,
+        v_ptr,
+        table_ptr,
+        kv_head * stride_h,
+        start,
+        end,
+        limit,
+        qk_scale,
+        stride_b,
+        stride_t,
+        dims,
+        dim_ok,
+        GROUP_PAD,
+        HEAD_PAD,
+        BLOCK_SIZE,
+        TILE,
+        DOT_PRECISION,
+    )
+    stat = (seq.to(tl.int64) * num_heads + heads) * num_parts + part
+    tl.store(m_out_ptr + stat, m, mask=member_ok)
+    tl.store(l_out_ptr + stat, sums, mask=member_ok)
+    tl.store(acc_out_ptr + stat[:, None] * HEAD_DIM + dims[None, :], acc, mask=member_ok[:, None] & dim_ok[None, :])
+
+
+@triton.jit
+def _merge_partitions_kernel(
+    out_ptr,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    seq_lens_ptr,
+    rows_ptr,
+    stride_ot,
+    stride_oh,
+    num_heads,
+    num_parts,
+    PARTITION: tl.constexpr,
+    PARTS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+):
+    """One program per (sequence, query head): the log-sum-exp merge of its partitions."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    used = tl.cdiv(seq_len, PARTITION)
+    base = (seq.to(tl.int64) * num_heads + head) * num_parts
+    parts = tl.arange(0, PARTS_PAD)
+    part_ok = parts < used
+    m_parts = tl.load(m_ptr + base + parts, mask=part_ok, other=float("-inf"))
+    l_parts = tl.load(l_ptr + base + parts, mask=part_ok, other=0.0)
+    m = tl.max(m_parts, 0)
+    denominator = tl.sum(tl.exp2(m_parts - m) * l_parts, 0)
+    dims = tl.arange(0, HEAD_PAD)
+    dim_ok = dims < HEAD_DIM
+    numerator = tl.zeros([HEAD_PAD], tl.float32)
+    for part in range(0, used):
+        weight = tl.exp2(tl.load(m_ptr + base + part) - m)
+        numerator += weight * tl.load(acc_ptr + (base + part) * HEAD_DIM + dims, mask=dim_ok, other=0.0)
+    row = tl.load(rows_ptr + seq)
+    ptrs = out_ptr + row.to(tl.int64) * stride_ot + head * stride_oh + dims
+    tl.store(ptrs, (numerator / denominator).to(out_ptr.dtype.element_ty), mask=dim_ok)
+
+
+@triton.jit
+def _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
+    """Sequence s owns q-blocks from query_start_loc[s] // BLOCK_Q + s on (enough for its query tokens
+    wherever they start), so the grid size needs no host sync; binary search for the owner."""
+    left = 0
+    right = num_seqs
+    while left < right:
+        mid = (left + right) // 2
+        if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= q_block:
+            left = mid + 1
+        else:
+            right = mid
+    return left - 1
+
+
+@triton.jit
+def _mixed_kernel(
+    out_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    num_seqs,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_b,
+    stride_t,
+    stride_h,
+    stride_table,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Row r of a program is query token r // GROUP of its q-block, query head r % GROUP of its KV head."""
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    first = (q_block - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+    if first >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len  # cached positions before this step's first query token
+    rows = tl.arange(0, BLOCK_M)
+    token = first + rows // GROUP
+    row_ok = (rows // GROUP < BLOCK_Q) & (token < q_len)
+    heads = kv_head * GROUP + rows % GROUP
+    dims = tl.arange(0, HEAD_PAD)
+    dim_ok = dims < HEAD_DIM
+    mask = row_ok[:, None] & dim_ok[None, :]
+    q_rows = (q_start + token).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=mask, other=0.0)
+    limit = context + token + 1
+    end = context + tl.minimum(q_len, first + BLOCK_Q)
+    table_ptr = tables_ptr + seq.to(tl.int64) * stride_table
+    m, sums, acc = _attend(
+        q.to(tl.float32),
+        k_ptr,
+        v_ptr,
+        table_ptr,
+        kv_head * stride_h,
+        0,
+        end,
+        limit,
+        qk_scale,
+        stride_b,
+        stride_t,
+        dims,
+        dim_ok,
+        BLOCK_M,
+        HEAD_PAD,
+        BLOCK_SIZE,
+        TILE,
+        DOT_PRECISION,
+    )
+    out = acc / tl.where(sums > 0, sums, 1.0)[:, None]
+    ptrs = out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+    tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slots_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_b,
+    stride_t,
+    stride_h,
+    NUM_KV_HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slots_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    heads = tl.arange(0, HEADS_PAD)[:, None]
+    dims = tl.arange(0, HEAD_PAD)[None, :]
+    mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
+    target = (slot // BLOCK_SIZE) * stride_b + (slot % BLOCK_SIZE) * stride_t + heads * stride_h + dims
+    key = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
+    value = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
+    tl.store(k_cache_ptr + target, key.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + target, value.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows_contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    """The kernels index the last dimension with stride 1 and take the other strides as given."""
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
+
+
+def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    # One set of strides addresses both caches.
+    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache must share one [num_blocks, block_size, H_kv, D] layout")
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store each token's K/V `[T, H_kv, D]` at its slot (`block * block_size + offset`); a negative slot is skipped."""
+    _check_caches(k_cache, v_cache)
+    if key.shape[0] == 0:
+        return
+    key, value = _rows_contiguous(key), _rows_contiguous(value)
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    _write_kv_kernel[(key.shape[0],)](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim,
+        HEAD_PAD=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=k_cache.shape[1],
+    )
+
+
+def decode(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    rows: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    *,
+    max_seq_len: int,
+    partition_size: int = DEFAULT_PARTITION_SIZE,
+    version: int | None = None,
+) -> None:
+    """One query token per sequence: write into `out[rows[s]]` the attention of `query[rows[s]]` over the
+    first `seq_lens[s]` positions of sequence s. `version` 1 or 2 forces a kernel; None applies the rule."""
+    _check_caches(k_cache, v_cache)
+    num_seqs, num_heads = seq_lens.shape[0], query.shape[1]
+    version = version or choose_decode_version(max_seq_len, num_seqs, num_heads, partition_size)
+    geometry = Geometry.of(query, k_cache)
+    common = (query.stride(0), query.stride(1))
+    cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
+    specialize = {"GROUP": geometry.group, "GROUP_PAD": geometry.group_pad, **geometry.constexprs()}
+    grid = (num_seqs, k_cache.shape[2])
+    qk_scale = scale * LOG2E
+    if version == 1:
+        _decode_v1_kernel[grid](
+            out,
+            query,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            rows,
+            qk_scale,
+            *common,
+            out.stride(0),
+            out.stride(1),
+            *cache_strides,
+            **specialize,
+        )
+        return
+    num_parts = triton.cdiv(max_seq_len, partition_size)
+    stats = torch.empty(2, num_seqs, num_heads, num_parts, dtype=torch.float32, device=query.device)
+    partial = torch.empty(num_seqs, num_heads, num_parts, geometry.head_dim, dtype=torch.float32, device=query.device)
+    _decode_v2_kernel[(*grid, num_parts)](
+        stats[0],
+        stats[1],
+        partial,
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        rows,
+        qk_scale,
+        *common,
+        *cache_strides,
+        num_heads,
+        num_parts,
+        PARTITION=partition_size,
+        **specialize,
+    )
+    _merge_partitions_kernel[(num_seqs, num_heads)](
+        out,
+        stats[0],
+        stats[1],
+        partial,
+        seq_lens,
+        rows,
+        out.stride(0),
+        out.stride(1),
+        num_heads,
+        num_parts,
+        PARTITION=partition_size,
+        PARTS_PAD=triton.next_power_of_2(num_parts),
+        HEAD_DIM=geometry.head_dim,
+        HEAD_PAD=geometry.head_pad,
+    )
+
+
+def mixed(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+) -> None:
+    """Any flat batch (prefill chunks after cached prefixes, decode tokens) into `out`, causal per sequence."""
+    _check_caches(k_cache, v_cache)
+    geometry = Geometry.of(query, k_cache)
+    block_m = max(MIXED_BLOCK_M, triton.next_power_of_2(geometry.group))
+    block_q = block_m // geometry.group
+    num_seqs = seq_lens.shape[0]
+    grid = (query.shape[0] // block_q + num_seqs, k_cache.shape[2])
+    _mixed_kernel[grid](
+        out,
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        num_seqs,
+        scale * LOG2E,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=geometry.group,
+        BLOCK_M=block_m,
+        BLOCK_Q=block_q,
+        **geometry.constexprs(),
+    )
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    *,
+    partition_size: int = DEFAULT_PARTITION_SIZE,
+    version: int | None = None,
+) -> torch.Tensor:
+    """The attention contract (see `pagedllm.attention.ops.paged_attention`). A batch of decode tokens only
+    goes to decode v1 or v2 (`version` forces one); anything else to the mixed kernel."""
+    query = _rows_contiguous(query)
+    out = torch.empty_like(query)
+    if query.shape[0] == 0:
+        return out
+    # One host sync for both: the grid of v2 and the v1/v2 rule need the longest context.
+    max_seq_len, max_query_len = torch.stack([seq_lens.max(), torch.diff(query_start_loc).max()]).tolist()
+    if max_query_len == 1:
+        rows = query_start_loc[:-1]
+        decode(
+            query,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            rows,
+            out,
+            scale,
+            max_seq_len=max_seq_len,
+            partition_size=partition_size,
+            version=version,
+        )
+    else:
+        mixed(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, scale)
+    return out
+
+
+def run_planned(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan, scale: float
+) -> torch.Tensor:
+    """The engine's per-layer call on the GPU: the plan's decode rows in one decode launch, each prefill
+    chunk in a mixed launch of its own. The plan's metadata is built on the host; it is copied here."""
+    query = _rows_contiguous(query)
+    out = torch.empty_like(query)
+    device = query.device
+    if plan.decode is not None:
+        batch = plan.decode
+        decode(
+            query,
+            k_cache,
+            v_cache,
+            batch.block_tables.to(device),
+            batch.seq_lens.to(device),
+            batch.token_index.to(device),
+            out,
+            scale,
+            max_seq_len=int(batch.seq_lens.max()),
+        )
+    for seq in plan.prefills:
+        rows = slice(seq.query_start, seq.query_end)
+        q_len = seq.query_end - seq.query_start
+        mixed(
+            query[rows],
+            k_cache,
+            v_cache,
+            seq.block_ids.to(device=device, dtype=torch.int32)[None],
+            torch.tensor([seq.seq_len], dtype=torch.int32, device=device),
+            torch.tensor([0, q_len], dtype=torch.int32, device=device),
+            out[rows],
+            scale,
+        )
+    return out

@@ -1,0 +1,124 @@
+"""Prometheus metrics of one server, under vLLM-style names with the `pagedllm:` prefix.
+
+Engine gauges are refreshed from `LLMEngine.stats()` by the engine thread after every step (the engine is
+not thread-safe, so a scrape never calls into it); request timings are observed when a request ends.
+Each server owns its registry, so two servers in one process (tests) never share counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pagedllm.engine import EngineStats
+
+# vLLM's buckets, so dashboards built for vLLM read pagedllm the same way.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
+_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
+
+METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTiming:
+    """When one request arrived, produced its first token and ended (time.perf_counter seconds)."""
+
+    arrival: float
+    first_token: float | None
+    end: float
+    num_output_tokens: int  # of its longest completion: the tokens that arrived one step apart
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        if self.first_token is None or self.num_output_tokens < 2:
+            return None
+        return (self.end - self.first_token) / (self.num_output_tokens - 1)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self._gauges = {name: Gauge(f"pagedllm:{name}", doc, registry=self.registry) for name, doc in _GAUGES.items()}
+        self._preemptions = Counter("pagedllm:num_preemptions", "Sequences preempted", registry=self.registry)
+        self._prompt_tokens = Counter("pagedllm:prompt_tokens", "Prompt tokens processed", registry=self.registry)
+        self._generation_tokens = Counter(
+            "pagedllm:generation_tokens", "Tokens generated", registry=self.registry
+        )
+        self._finished = Counter(
+            "pagedllm:requests_finished",
+            "Requests ended, by the finish reason of their first completion ('error' when serving it failed)",
+            ["finish_reason"],
+            registry=self.registry,
+        )
+        self._ttft = Histogram(
+            "pagedllm:time_to_first_token_seconds", "Time to first token", buckets=_TTFT_BUCKETS, registry=self.registry
+        )
+        self._tpot = Histogram(
+            "pagedllm:time_per_output_token_seconds",
+            "Time per output token after the first, per request",
+            buckets=_TPOT_BUCKETS,
+            registry=self.registry,
+        )
+        self._e2e = Histogram(
+            "pagedllm:e2e_request_latency_seconds",
+            "Arrival to last token, for requests that finished (stop or length)",
+            buckets=_E2E_BUCKETS,
+            registry=self.registry,
+        )
+        self._last_preemptions = 0
+
+    def observe_engine(self, stats: EngineStats) -> None:
+        for name, stat in _GAUGE_SOURCES.items():
+            # getattr: fields that newer engines add (prefix caching, swapping) read as 0 on older ones.
+            self._gauges[name].set(getattr(stats, stat, 0.0))
+        # The engine counts preemptions since it started; a Prometheus counter only moves forward by deltas.
+        self._preemptions.inc(max(stats.num_preemptions - self._last_preemptions, 0))
+        self._last_preemptions = stats.num_preemptions
+
+    def observe_tokens(self, num_prompt_tokens: int, num_generation_tokens: int) -> None:
+        self._prompt_tokens.inc(num_prompt_tokens)
+        self._generation_tokens.inc(num_generation_tokens)
+
+    def observe_ttft(self, seconds: float) -> None:
+        self._ttft.observe(seconds)
+
+    def observe_end(self, finish_reason: str, timing: RequestTiming) -> None:
+        self._finished.labels(finish_reason=finish_reason).inc()
+        if finish_reason not in ("stop", "length"):
+            return
+        self._e2e.observe(timing.end - timing.arrival)
+        if timing.tpot is not None:
+            self._tpot.observe(timing.tpot)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+_GAUGES = {
+    "num_requests_running": "Sequences in the running queue",
+    "num_requests_waiting": "Sequences waiting to be scheduled",
+    "kv_blocks_total": "KV cache blocks in the pool",
+    "kv_blocks_used": "KV cache blocks referenced by sequences",
+    "kv_blocks_peak": "Most KV cache blocks ever in use at once",
+    "kv_utilization": "Tokens stored over the slots of the blocks that hold them",
+    "prefix_cache_hit_rate": "Prompt tokens served from the prefix cache over prompt tokens",
+    "swapped_blocks": "KV blocks swapped out to CPU swap space",
+}
+
+# Gauge name -> EngineStats field.
+_GAUGE_SOURCES = {
+    "num_requests_running": "num_running",
+    "num_requests_waiting": "num_waiting",
+    "kv_blocks_total": "kv_blocks_total",
+    "kv_blocks_used": "kv_blocks_used",
+    "kv_blocks_peak": "kv_blocks_peak",
+    "kv_utilization": "kv_utilization",
+    "prefix_cache_hit_rate": "prefix_cache_hit_rate",
+    "swapped_blocks": "num_swapped_out_blocks",
+}
