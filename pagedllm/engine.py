@@ -42,6 +42,7 @@ class EngineStats:
     num_waiting: int
     num_swapped: int
     num_swapped_out_blocks: int
+    num_swap_preemptions: int
     num_cow_copies: int
     blocks_saved_by_sharing: int
     prefix_cache_queries: int
@@ -49,6 +50,16 @@ class EngineStats:
     prefix_cache_hit_rate: float
     num_steps: int
     step_seconds: dict[str, float] = field(default_factory=dict)
+
+
+class RequestsFailedError(RuntimeError):
+    """Raised by `step` when updating some requests raised: those were aborted (their blocks are free),
+    every other request advanced normally, and `outputs` is what `step` would have returned for them."""
+
+    def __init__(self, errors: dict[str, Exception], outputs: list[RequestOutput]) -> None:
+        super().__init__("; ".join(f"request {rid!r} failed: {error!r}" for rid, error in errors.items()))
+        self.errors = errors
+        self.outputs = outputs
 
 
 class LLMEngine:
@@ -81,6 +92,7 @@ class LLMEngine:
         self._rng = torch.Generator().manual_seed(config.seed)
         self._num_steps = 0
         self._step_seconds: dict[str, float] = defaultdict(float)
+        self._failed: dict[str, Exception] = {}
         self.startup_seconds = time.perf_counter() - started
         logger.info(
             "engine ready in %.2f s: %d KV blocks of %d tokens, max_model_len %d",
@@ -219,10 +231,19 @@ class LLMEngine:
         timer.lap("swap/copy")
         if plan.scheduled:
             self._run(plan.scheduled, timer)
+        failed = self._abort_failed()
         outputs = self._collect_outputs(plan.scheduled)
         timer.lap("update")
         self._num_steps += 1
+        if failed:
+            raise RequestsFailedError(failed, outputs)
         return outputs
+
+    def _abort_failed(self) -> dict[str, Exception]:
+        failed, self._failed = self._failed, {}
+        for request_id in failed:
+            self.abort_request(request_id)
+        return failed
 
     def _run(self, scheduled: list[ScheduledSeq], timer: _StepTimer) -> None:
         completing = [item.seq for item in scheduled if item.completes]
@@ -281,7 +302,19 @@ class LLMEngine:
             picked = raw.gather(1, tokens[:, None])[:, 0].tolist()
             raw_logprob = dict(zip(needs_raw, picked, strict=True))
         for i, (seq, token, logprobs) in enumerate(zip(seqs, sampled.token_ids, sampled.logprobs, strict=True)):
-            self._append_token(seq, token, logprobs, raw_logprob.get(i))
+            if seq.request_id not in self._failed:
+                self._append_token_isolated(seq, token, logprobs, raw_logprob.get(i))
+
+    def _append_token_isolated(
+        self, seq: Sequence, token: int, logprobs: dict[int, Logprob] | None, raw_logprob: float | None
+    ) -> None:
+        """One request's failure (a detokenizer error, say) must not cost the rest of the batch its tokens:
+        it is recorded, and `step` aborts that request alone."""
+        try:
+            self._append_token(seq, token, logprobs, raw_logprob)
+        except Exception as error:
+            logger.exception("request %s failed while appending its token", seq.request_id)
+            self._failed[seq.request_id] = error
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         banned: tuple[int, ...] = ()
@@ -380,6 +413,7 @@ class LLMEngine:
             num_waiting=sum(len(group.live_seqs()) for group in self.scheduler.waiting),
             num_swapped=sum(len(group.live_seqs()) for group in self.scheduler.swapped),
             num_swapped_out_blocks=kv.cpu_pool.num_used if kv.cpu_pool else 0,
+            num_swap_preemptions=self.scheduler.num_swap_preemptions,
             num_cow_copies=kv.num_cow_copies,
             blocks_saved_by_sharing=kv.blocks_saved_by_sharing(),
             prefix_cache_queries=queries,

@@ -47,9 +47,7 @@ class ServerMetrics:
         self._gauges = {name: Gauge(f"pagedllm:{name}", doc, registry=self.registry) for name, doc in _GAUGES.items()}
         self._preemptions = Counter("pagedllm:num_preemptions", "Sequences preempted", registry=self.registry)
         self._prompt_tokens = Counter("pagedllm:prompt_tokens", "Prompt tokens processed", registry=self.registry)
-        self._generation_tokens = Counter(
-            "pagedllm:generation_tokens", "Tokens generated", registry=self.registry
-        )
+        self._generation_tokens = Counter("pagedllm:generation_tokens", "Tokens generated", registry=self.registry)
         self._finished = Counter(
             "pagedllm:requests_finished",
             "Requests ended, by the finish reason of their first completion ('error' when serving it failed)",
@@ -81,12 +79,12 @@ class ServerMetrics:
         self._preemptions.inc(max(stats.num_preemptions - self._last_preemptions, 0))
         self._last_preemptions = stats.num_preemptions
 
-    def observe_tokens(self, num_prompt_tokens: int, num_generation_tokens: int) -> None:
+    def observe_first_token(self, ttft: float, num_prompt_tokens: int) -> None:
+        self._ttft.observe(ttft)
         self._prompt_tokens.inc(num_prompt_tokens)
-        self._generation_tokens.inc(num_generation_tokens)
 
-    def observe_ttft(self, seconds: float) -> None:
-        self._ttft.observe(seconds)
+    def observe_generated(self, num_tokens: int) -> None:
+        self._generation_tokens.inc(num_tokens)
 
     def observe_end(self, finish_reason: str, timing: RequestTiming) -> None:
         self._finished.labels(finish_reason=finish_reason).inc()

@@ -380,7 +380,7 @@ def _mixed_kernel(
     mask = row_ok[:, None] & dim_ok[None, :]
     q_rows = (q_start + token).to(tl.int64)
     q = tl.load(q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=mask, other=0.0)
-    limit = context + token + 1
+    limit = context + token + 2
     end = context + tl.minimum(q_len, first + BLOCK_Q)
     table_ptr = tables_ptr + seq.to(tl.int64) * stride_table
     m, sums, acc = _attend(

@@ -7,6 +7,7 @@ import logging
 import sys
 from collections.abc import Iterator
 
+from pagedllm.entrypoints.bench_serve import add_bench_serve_args, run_bench_serve
 from pagedllm.entrypoints.llm import LLM, Message
 from pagedllm.sampling_params import SamplingParams
 
@@ -118,6 +119,35 @@ def run_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (not /health, /metrics)")
+    parser.add_argument("--served-model-name", nargs="+", default=None, help="default: the --model argument")
+    parser.add_argument(
+        "--shutdown-grace", type=float, default=5.0, help="seconds in-flight requests get after SIGTERM"
+    )
+    # Test-only: a request whose decoded text contains this string fails inside the engine step.
+    parser.add_argument("--fault-injection-text", default=None, help=argparse.SUPPRESS)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    # Imported here: the web stack costs start-up time that generate and chat need not pay.
+    from pagedllm.entrypoints.openai_server import DEFAULT_SERVED_NAME, ServeOptions, serve
+
+    names = args.served_model_name or [args.model or DEFAULT_SERVED_NAME]
+    options = ServeOptions(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_names=tuple(names),
+        shutdown_grace_s=args.shutdown_grace,
+        fault_injection_text=args.fault_injection_text,
+        log_level=args.log_level,
+    )
+    return serve(build_llm(args), options)
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description="LLM inference on a paged KV cache")
     parser.add_argument("--log-level", default="WARNING")
@@ -133,6 +163,15 @@ def make_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     add_sampling_args(chat, max_tokens=512)
     chat.set_defaults(handler=run_chat)
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_serve_args(serve)
+    add_engine_args(serve)
+    serve.set_defaults(handler=run_serve)
+    bench = commands.add_parser("bench", help="benchmarks")
+    benchmarks = bench.add_subparsers(dest="benchmark", required=True)
+    bench_serve = benchmarks.add_parser("serve", help="load-test an OpenAI-compatible server (pagedllm's, vLLM's)")
+    add_bench_serve_args(bench_serve)
+    bench_serve.set_defaults(handler=run_bench_serve)
     return parser
 
 

@@ -1,0 +1,248 @@
+"""`pagedllm bench serve`: load-test any OpenAI-compatible server (pagedllm's, vLLM's) as vLLM's
+`bench serve` does.
+
+Requests arrive as a Poisson process at `--request-rate` (inf: all at once) and stream
+`/v1/completions`. The metrics follow vLLM's definitions: TTFT is the time to the first chunk with text;
+ITL the gaps between later text chunks; TPOT per request is (e2e - TTFT) / (output tokens - 1), over
+requests with more than one token; e2e ends at the last text chunk. Output tokens are the server's own
+count (`usage.completion_tokens`, asked for with `stream_options.include_usage`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+_TIMEOUT_S = 6 * 3600  # as vLLM: a saturated server may take long, and the benchmark measures it, not us
+# Synthetic prompts draw words from this text: no dataset to download, and any tokenizer reads them.
+_TEXT = (
+    "the quick brown fox jumps over a lazy dog while paged attention keeps every key and value in small fixed "
+    "blocks so that many requests share one pool and the scheduler admits new work at each step"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    base_url: str
+    num_prompts: int
+    request_rate: float
+    model: str | None = None
+    input_len: int = 128  # words of synthetic prompt
+    max_tokens: int = 128
+    ignore_eos: bool = False
+    seed: int = 0
+    api_key: str | None = None
+
+
+@dataclass(slots=True)
+class RequestResult:
+    success: bool = False
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)")
+    parser.add_argument("--model", default=None, help="default: the first model the server lists")
+    parser.add_argument("--input-len", type=int, default=128, help="words per synthetic prompt")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--ignore-eos", action="store_true", help="vLLM extra: always generate max-tokens")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+
+
+def run_bench_serve(args: argparse.Namespace) -> int:
+    config = BenchConfig(
+        base_url=args.base_url,
+        num_prompts=args.num_prompts,
+        request_rate=args.request_rate,
+        model=args.model,
+        input_len=args.input_len,
+        max_tokens=args.max_tokens,
+        ignore_eos=args.ignore_eos,
+        seed=args.seed,
+        api_key=args.api_key,
+    )
+    report = asyncio.run(run_benchmark(config))
+    print(format_report(report))
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    if report["failed"]:
+        print(f"pagedllm bench: {report['failed']} requests failed, e.g.: {report['first_error']}", file=sys.stderr)
+    return 0 if report["completed"] else 1
+
+
+async def run_benchmark(config: BenchConfig) -> dict:
+    rng = random.Random(config.seed)
+    words = _TEXT.split()
+    prompts = [" ".join(rng.choices(words, k=config.input_len)) for _ in range(config.num_prompts)]
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(
+        base_url=config.base_url, headers=headers, timeout=_TIMEOUT_S, limits=limits
+    ) as client:
+        model = config.model or await _first_model(client)
+        started = time.perf_counter()
+        tasks = [
+            asyncio.create_task(_one_request(client, _payload(config, model, prompt)))
+            async for prompt in _arrivals(prompts, config.request_rate, rng)
+        ]
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - started
+    return summarize(results, duration) | {
+        "model": model,
+        "base_url": config.base_url,
+        "num_prompts": config.num_prompts,
+        "request_rate": config.request_rate,
+        "input_len_words": config.input_len,
+        "max_tokens": config.max_tokens,
+    }
+
+
+async def _first_model(client: httpx.AsyncClient) -> str:
+    response = await client.get("/v1/models")
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
+async def _arrivals(prompts: list[str], rate: float, rng: random.Random) -> AsyncIterator[str]:
+    """Each prompt in turn, with exponential gaps of mean 1/rate between them: a Poisson process."""
+    for index, prompt in enumerate(prompts):
+        if index and rate != float("inf"):
+            await asyncio.sleep(rng.expovariate(rate))
+        yield prompt
+
+
+def _payload(config: BenchConfig, model: str, prompt: str) -> dict:
+    payload = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": config.max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if config.ignore_eos:
+        payload["ignore_eos"] = True
+    return payload
+
+
+async def _one_request(client: httpx.AsyncClient, payload: dict) -> RequestResult:
+    result = RequestResult()
+    started = last = time.perf_counter()
+    try:
+        async with client.stream("POST", "/v1/completions", json=payload) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:500]}"
+                return result
+            async for data in _sse_data(response):
+                now = time.perf_counter()
+                if "error" in data:
+                    result.error = json.dumps(data["error"])
+                    return result
+                if data.get("choices") and data["choices"][0].get("text"):
+                    if result.ttft == 0.0:
+                        result.ttft = now - started
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                if data.get("usage"):
+                    result.prompt_tokens = data["usage"]["prompt_tokens"]
+                    result.output_tokens = data["usage"]["completion_tokens"]
+    except (httpx.HTTPError, ValueError, KeyError) as error:  # ValueError: a chunk that is not JSON
+        result.error = repr(error)
+        return result
+    result.latency = last - started
+    result.success = True
+    return result
+
+
+async def _sse_data(response: httpx.Response) -> AsyncIterator[dict]:
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line.removeprefix("data:").strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
+def summarize(results: list[RequestResult], duration: float) -> dict:
+    done = [r for r in results if r.success]
+    input_tokens = sum(r.prompt_tokens for r in done)
+    output_tokens = sum(r.output_tokens for r in done)
+    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
+    report = {
+        "duration": duration,
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "first_error": next((r.error for r in results if not r.success), ""),
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(done) / duration,
+        "output_throughput": output_tokens / duration,
+        "total_token_throughput": (input_tokens + output_tokens) / duration,
+    }
+    report |= _distribution("ttft", [r.ttft for r in done])
+    report |= _distribution("tpot", tpots)
+    report |= _distribution("itl", [gap for r in done for gap in r.itl])
+    report |= _distribution("e2el", [r.latency for r in done])
+    return report
+
+
+def _distribution(name: str, seconds: list[float]) -> dict[str, float]:
+    ms = np.asarray(seconds or [0.0]) * 1000
+    return {
+        f"mean_{name}_ms": float(ms.mean()),
+        f"median_{name}_ms": float(np.median(ms)),
+        f"std_{name}_ms": float(ms.std()),
+        f"p99_{name}_ms": float(np.percentile(ms, 99)),
+    }
+
+
+_SECTIONS = (("ttft", "Time to First Token", "TTFT"), ("tpot", "Time per Output Token (excl. 1st token)", "TPOT"))
+_SECTIONS += (("itl", "Inter-token Latency", "ITL"), ("e2el", "End-to-end Latency", "E2EL"))
+
+
+def format_report(report: dict) -> str:
+    lines = [
+        "{s:{c}^50}".format(s=" Serving Benchmark Result ", c="="),
+        _row("Successful requests:", report["completed"]),
+        _row("Failed requests:", report["failed"]),
+        _row("Request rate (req/s):", report["request_rate"]),
+        _row("Benchmark duration (s):", report["duration"]),
+        _row("Total input tokens:", report["total_input_tokens"]),
+        _row("Total generated tokens:", report["total_output_tokens"]),
+        _row("Request throughput (req/s):", report["request_throughput"]),
+        _row("Output token throughput (tok/s):", report["output_throughput"]),
+        _row("Total token throughput (tok/s):", report["total_token_throughput"]),
+    ]
+    for key, title, short in _SECTIONS:
+        lines.append("{s:{c}^50}".format(s=f" {title} ", c="-"))
+        lines += [_row(f"{stat.title()} {short} (ms):", report[f"{stat}_{key}_ms"]) for stat in ("mean", "median")]
+        lines.append(_row(f"P99 {short} (ms):", report[f"p99_{key}_ms"]))
+    lines.append("=" * 50)
+    return "\n".join(lines)
+
+
+def _row(label: str, value: float) -> str:
+    text = f"{value:.2f}" if isinstance(value, float) else str(value)
+    return f"{label:<40}{text:>10}"
