@@ -147,7 +147,9 @@ def reference_beam_search(folder, prompt: list[int], width: int, max_tokens: int
             with torch.no_grad():
                 logprobs = torch.log_softmax(model(torch.tensor([tokens])).logits[0, -1].float(), dim=-1)
             top = logprobs.topk(2 * width)
-            candidates += [(tokens + [t], cum + lp) for lp, t in zip(top.values.tolist(), top.indices.tolist())]
+            candidates += [
+                (tokens + [t], cum + lp) for lp, t in zip(top.values.tolist(), top.indices.tolist(), strict=True)
+            ]
         candidates.sort(key=lambda c: c[1], reverse=True)
         beams = []
         for tokens, cum in candidates[:width]:
