@@ -27,6 +27,7 @@ from pagedllm.sequence import SequenceStatus
 logger = logging.getLogger(__name__)
 
 _JOIN_TIMEOUT_S = 5.0
+_STATS_INTERVAL_S = 0.05
 
 Item = RequestOutput | BaseException
 
@@ -113,6 +114,7 @@ class AsyncLLMEngine:
         self._ids = itertools.count()
         self._accepting = True
         self._stopping = False
+        self._stats_published = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
@@ -147,7 +149,8 @@ class AsyncLLMEngine:
         """Refuse new requests, let running ones finish for `grace_seconds`, then abort what is left (their
         clients get a last output with finish reason "abort"). Safe to call from a signal handler."""
         self._accepting = False
-        self._loop.call_soon_threadsafe(self._loop.call_later, grace_seconds, self._submit, self._abort_all)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.call_later, grace_seconds, self._submit, self._abort_all)
 
     async def shutdown(self) -> None:
         """Abort everything still running and stop the engine thread."""
@@ -178,7 +181,7 @@ class AsyncLLMEngine:
         finally:
             self._accepting = False
             self._abort_all()
-            self.metrics.observe_engine(self._engine.stats())
+            self._publish_stats(force=True)
 
     def _serve_once(self) -> None:
         # Cleared before draining: a command submitted after the drain sets it again, so wait() cannot miss it.
@@ -187,9 +190,18 @@ class AsyncLLMEngine:
         busy = self._engine.has_unfinished_requests() and not self._stopping
         if busy:
             self._step()
-        self.metrics.observe_engine(self._engine.stats())
+        self._publish_stats(force=not busy)
         if not busy and not self._stopping:
             self._wake.wait()
+            self._stats_published = 0.0  # publish the first step after a pause at once
+
+    def _publish_stats(self, force: bool) -> None:
+        """At most every _STATS_INTERVAL_S while busy (stats() walks every block table), and always before
+        sleeping, so an idle server's gauges are exact."""
+        now = time.perf_counter()
+        if force or now - self._stats_published >= _STATS_INTERVAL_S:
+            self.metrics.observe_engine(self._engine.stats())
+            self._stats_published = now
 
     def _drain_commands(self) -> None:
         while True:
@@ -197,7 +209,10 @@ class AsyncLLMEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            command()
+            try:
+                command()
+            except Exception:  # one failed abort must not stop the engine serving everyone else
+                logger.exception("an engine command failed")
 
     def _stop(self) -> None:
         self._stopping = True

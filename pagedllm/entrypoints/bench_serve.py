@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -100,12 +101,9 @@ async def run_benchmark(config: BenchConfig) -> dict:
         base_url=config.base_url, headers=headers, timeout=_TIMEOUT_S, limits=limits
     ) as client:
         model = config.model or await _first_model(client)
+        payloads = [_payload(config, model, prompt) for prompt in prompts]
         started = time.perf_counter()
-        tasks = [
-            asyncio.create_task(_one_request(client, _payload(config, model, prompt)))
-            async for prompt in _arrivals(prompts, config.request_rate, rng)
-        ]
-        results = await asyncio.gather(*tasks)
+        results = await _send_all(client, payloads, poisson_offsets(len(payloads), config.request_rate, rng))
         duration = time.perf_counter() - started
     return summarize(results, duration) | {
         "model": model,
@@ -123,12 +121,23 @@ async def _first_model(client: httpx.AsyncClient) -> str:
     return response.json()["data"][0]["id"]
 
 
-async def _arrivals(prompts: list[str], rate: float, rng: random.Random) -> AsyncIterator[str]:
-    """Each prompt in turn, with exponential gaps of mean 1/rate between them: a Poisson process."""
-    for index, prompt in enumerate(prompts):
-        if index and rate != float("inf"):
-            await asyncio.sleep(rng.expovariate(rate))
-        yield prompt
+def poisson_offsets(count: int, rate: float, rng: random.Random) -> list[float]:
+    """Send times (seconds from the start) of a Poisson process: exponential gaps of mean 1/rate, the first
+    request at 0. An infinite rate sends everything at once."""
+    if rate == float("inf"):
+        return [0.0] * count
+    gaps = [0.0] + [rng.expovariate(rate) for _ in range(count - 1)]
+    return list(itertools.accumulate(gaps))
+
+
+async def _send_all(client: httpx.AsyncClient, payloads: list[dict], offsets: list[float]) -> list[RequestResult]:
+    started = time.perf_counter()
+    tasks = []
+    for payload, offset in zip(payloads, offsets, strict=True):
+        # Sleep to absolute send times, so the time spent starting requests does not stretch the gaps.
+        await asyncio.sleep(max(started + offset - time.perf_counter(), 0.0))
+        tasks.append(asyncio.create_task(_one_request(client, payload)))
+    return await asyncio.gather(*tasks)
 
 
 def _payload(config: BenchConfig, model: str, prompt: str) -> dict:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
 import secrets
 import signal
 import sys
@@ -21,6 +22,7 @@ from functools import partial
 from typing import Any
 
 import jinja2
+import torch
 import uvicorn
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -80,7 +82,12 @@ class ServeOptions:
 
 class ApiError(Exception):
     def __init__(
-        self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error", code=None
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -89,6 +96,7 @@ class ApiError(Exception):
 
 def serve(llm: LLM, options: ServeOptions) -> int:
     """Serve until SIGTERM or SIGINT; then finish or abort in-flight requests and return 0."""
+    _leave_a_core_to_http()
     metrics = ServerMetrics()
     engine = AsyncLLMEngine(llm.engine, metrics, options.fault_injection_text)
     api = OpenAIServing(engine, llm.render_chat, metrics, options.served_model_names)
@@ -102,6 +110,14 @@ def serve(llm: LLM, options: ServeOptions) -> int:
     banner = f"pagedllm: serving {options.served_model_names[0]} on http://{options.host}:{options.port}"
     _Server(config, on_exit=partial(engine.drain, options.shutdown_grace_s), banner=banner).run()
     return 0
+
+
+def _leave_a_core_to_http() -> None:
+    """Torch's threads spin between ops; with one per core, the event loop thread preempts one of them and
+    each parallel op then waits a scheduler slice for it (streaming to 16 clients measured up to 10x slower on
+    2 cores). As vLLM's CPU backend does, leave a core to the HTTP side, unless the user chose the count."""
+    if "OMP_NUM_THREADS" not in os.environ and torch.get_num_threads() > 1:
+        torch.set_num_threads(torch.get_num_threads() - 1)
 
 
 class _Server(uvicorn.Server):
@@ -416,7 +432,7 @@ class _CompletionShape:
 
     def response(self, finals: list[RequestOutput]) -> CompletionResponse:
         choices = [
-            self.choice(index, output, completion, self._echoed(output), range(len(completion.token_ids)))
+            self.choice(index, completion, self._echoed(output), completion.text, range(len(completion.token_ids)))
             for index, output in enumerate(finals)
             for completion in output.outputs
         ]
@@ -425,12 +441,16 @@ class _CompletionShape:
         )
 
     def choice(
-        self, prompt_index: int, output: RequestOutput, completion: CompletionOutput, text: str, tokens: range
+        self, prompt_index: int, completion: CompletionOutput, echoed: str, text: str, tokens: range
     ) -> CompletionChoice:
+        """The choice for `tokens` of `completion`, whose text is `text`, after `echoed` (the prompt, or '')."""
+        logprobs = None
+        if self.logprobs is not None:
+            logprobs = _completion_logprobs(completion, tokens, self.logprobs)
         return CompletionChoice(
             index=prompt_index * self.n + completion.index,
-            text=text,
-            logprobs=None if self.logprobs is None else _completion_logprobs(completion, tokens, self.logprobs),
+            text=echoed + text,
+            logprobs=logprobs,
             finish_reason=completion.finish_reason,
             stop_reason=completion.stop_reason,
         )
@@ -458,10 +478,9 @@ async def _completion_chunks(
             if moved is None:
                 continue
             text, tokens = moved
-            if first and shape.echo:
-                text = shape.prompt_text(output) + text
-            if text or cursor.finished or (tokens and shape.logprobs is not None):
-                choices.append(shape.choice(prompt_index, output, completion, text, tokens))
+            echoed = shape.prompt_text(output) if first and shape.echo else ""
+            if echoed or text or cursor.finished or (tokens and shape.logprobs is not None):
+                choices.append(shape.choice(prompt_index, completion, echoed, text, tokens))
         if choices:
             yield shape.chunk(choices)
         if output.finished:
@@ -471,8 +490,10 @@ async def _completion_chunks(
 
 
 def _completion_logprobs(completion: CompletionOutput, tokens: range, k: int) -> CompletionLogprobs:
+    """`text_offset` counts from the start of the completion (never echoed: echo excludes logprobs), so in a
+    stream it starts after the tokens sent before."""
+    offset = sum(len(completion.logprobs[p][completion.token_ids[p]].decoded_token or "") for p in range(tokens.start))
     result = CompletionLogprobs()
-    offset = 0
     for position in tokens:
         entry = completion.logprobs[position]
         sampled = entry[completion.token_ids[position]]
