@@ -168,7 +168,7 @@ class Scheduler:
             mark, copies = len(out.scheduled), len(out.copies)
             hits = [self._open(seq) for seq in seqs]
             spent = self._reserve_all(seqs, out, budget)
-            if spent is None:
+            if spent is None or not self._has_headroom(len(seqs)):
                 for seq in seqs:
                     self.kv.free(seq.seq_id)
                     seq.num_computed_tokens = 0
@@ -180,6 +180,13 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(group)
             budget -= spent
+
+    def _has_headroom(self, num_new_seqs: int) -> bool:
+        """Admit only while every running sequence could still grow by one block: filling the pool to
+        the brim means preempting (and recomputing) the newcomer a step later, over and over."""
+        if not self.running:
+            return True
+        return self.kv.pool.num_free >= self.num_running_seqs + num_new_seqs
 
     def _open(self, seq: Sequence) -> int:
         """Start the sequence's block table from the prefix cache; returns the tokens it covers."""
