@@ -40,8 +40,12 @@ DEFAULT_PARTITION_SIZE = 512
 # partition covers it or there are already enough (sequence, head) pairs to fill the GPU.
 V1_MAX_CONTEXT = 8192
 V1_MIN_PARALLELISM = 512
-TILE = 64
+# Tile sizes and warps chosen from ptxas's register report for sm_90 (compiled without a GPU, not yet
+# timed): the largest tiles that keep every kernel free of register spills at head dims 64 and 128, for
+# bf16 and float32 caches. A mixed program holds float32 query, output, key and value tiles.
+TILE = 32
 MIXED_BLOCK_M = 64
+MIXED_NUM_WARPS = 8
 # tl.dot needs every dimension of its operands to be at least 16.
 MIN_DOT_DIM = 16
 LOG2E = 1.4426950408889634
@@ -68,6 +72,11 @@ class Geometry:
     @property
     def head_pad(self) -> int:
         return max(MIN_DOT_DIM, triton.next_power_of_2(self.head_dim))
+
+    @property
+    def decode_num_warps(self) -> int:
+        # IEEE float32 dots need twice the registers of the TF32 ones: over 4 warps they would spill.
+        return 8 if self.dot_precision == "ieee" else 4
 
     def constexprs(self) -> dict[str, int | str]:
         return {
@@ -321,8 +330,9 @@ def _merge_partitions_kernel(
 def _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
     """Sequence s owns q-blocks from query_start_loc[s] // BLOCK_Q + s on (enough for its query tokens
     wherever they start), so the grid size needs no host sync; binary search for the owner."""
-    left = 0
-    right = num_seqs
+    # int32 from the start, as vLLM's kernel declares them: loop-carried values must keep one type.
+    left: tl.int32 = 0
+    right: tl.int32 = num_seqs
     while left < right:
         mid = (left + right) // 2
         if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= q_block:
@@ -380,7 +390,7 @@ def _mixed_kernel(
     mask = row_ok[:, None] & dim_ok[None, :]
     q_rows = (q_start + token).to(tl.int64)
     q = tl.load(q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=mask, other=0.0)
-    limit = context + token + 2
+    limit = context + token + 1
     end = context + tl.minimum(q_len, first + BLOCK_Q)
     table_ptr = tables_ptr + seq.to(tl.int64) * stride_table
     m, sums, acc = _attend(
@@ -443,7 +453,8 @@ def _write_kv_kernel(
 
 
 def _rows_contiguous(tensor: torch.Tensor) -> torch.Tensor:
-    """The kernels index the last dimension with stride 1 and take the other strides as given."""
+    """The kernels index the last dimension with stride 1 and take the other strides as given (outputs
+    are allocated contiguous)."""
     return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
 
 
@@ -504,10 +515,13 @@ def decode(
     """One query token per sequence: write into `out[rows[s]]` the attention of `query[rows[s]]` over the
     first `seq_lens[s]` positions of sequence s. `version` 1 or 2 forces a kernel; None applies the rule."""
     _check_caches(k_cache, v_cache)
+    if version not in (None, 1, 2):
+        raise ValueError(f"version must be 1, 2 or None, got {version!r}")
+    query = _rows_contiguous(query)
     num_seqs, num_heads = seq_lens.shape[0], query.shape[1]
     version = version or choose_decode_version(max_seq_len, num_seqs, num_heads, partition_size)
     geometry = Geometry.of(query, k_cache)
-    common = (query.stride(0), query.stride(1))
+    query_strides = (query.stride(0), query.stride(1))
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
     specialize = {"GROUP": geometry.group, "GROUP_PAD": geometry.group_pad, **geometry.constexprs()}
     grid = (num_seqs, k_cache.shape[2])
@@ -522,11 +536,12 @@ def decode(
             seq_lens,
             rows,
             qk_scale,
-            *common,
+            *query_strides,
             out.stride(0),
             out.stride(1),
             *cache_strides,
             **specialize,
+            num_warps=geometry.decode_num_warps,
         )
         return
     num_parts = triton.cdiv(max_seq_len, partition_size)
@@ -543,12 +558,13 @@ def decode(
         seq_lens,
         rows,
         qk_scale,
-        *common,
+        *query_strides,
         *cache_strides,
         num_heads,
         num_parts,
         PARTITION=partition_size,
         **specialize,
+        num_warps=geometry.decode_num_warps,
     )
     _merge_partitions_kernel[(num_seqs, num_heads)](
         out,
@@ -580,6 +596,7 @@ def mixed(
 ) -> None:
     """Any flat batch (prefill chunks after cached prefixes, decode tokens) into `out`, causal per sequence."""
     _check_caches(k_cache, v_cache)
+    query = _rows_contiguous(query)
     geometry = Geometry.of(query, k_cache)
     block_m = max(MIXED_BLOCK_M, triton.next_power_of_2(geometry.group))
     block_q = block_m // geometry.group
@@ -607,6 +624,7 @@ def mixed(
         BLOCK_M=block_m,
         BLOCK_Q=block_q,
         **geometry.constexprs(),
+        num_warps=MIXED_NUM_WARPS,
     )
 
 
@@ -624,8 +642,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """The attention contract (see `pagedllm.attention.ops.paged_attention`). A batch of decode tokens only
     goes to decode v1 or v2 (`version` forces one); anything else to the mixed kernel."""
-    query = _rows_contiguous(query)
-    out = torch.empty_like(query)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if query.shape[0] == 0:
         return out
     # One host sync for both: the grid of v2 and the v1/v2 rule need the longest context.
@@ -655,8 +672,7 @@ def run_planned(
 ) -> torch.Tensor:
     """The engine's per-layer call on the GPU: the plan's decode rows in one decode launch, each prefill
     chunk in a mixed launch of its own. The plan's metadata is built on the host; it is copied here."""
-    query = _rows_contiguous(query)
-    out = torch.empty_like(query)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     device = query.device
     if plan.decode is not None:
         batch = plan.decode

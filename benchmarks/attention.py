@@ -1,0 +1,301 @@
+"""Attention microbenchmark: what reading K/V through a block table costs, for decode.
+
+    python benchmarks/attention.py [--quick] [--json PATH]
+
+On the CPU: the engine's `cpu` path (the plan built once, as the engine does per step, then the per-layer
+call) against torch's `scaled_dot_product_attention` on the same K/V stored contiguously per sequence.
+The contiguous baseline gives each KV head its group of query heads as query rows, the fastest
+contiguous form (SDPA's `enable_gqa` is 3-7x slower here). The cost of paging is paged time / contiguous
+time. That ratio also compares two different kernels, so the paged kernel is timed a second time with
+each sequence's blocks in order in memory: paged_cpu / paged_cpu_blocks_in_order is the cost of the
+scattered blocks alone. Implementations are timed in alternation and the best of each is kept, because
+on a shared 2-core machine other processes only ever add time.
+
+On CUDA the same grid compares the Triton kernels (decode v1 and v2) and FlashAttention's paged call
+(`flash_attn_with_kvcache` with `block_table`, when installed) against contiguous SDPA, and reports the
+bandwidth each achieves (K/V bytes read per second) as a fraction of the H200's 4.8 TB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention import plan_attention, run_planned
+
+H200_BYTES_PER_S = 4.8e12
+FLASH_ATTN_PAGE = 256  # flash_attn_with_kvcache needs pages that are multiples of 256 tokens
+BATCHES = (1, 4, 16, 64, 256)
+CONTEXTS = (128, 512, 1024, 2048, 4096)
+QUICK_BATCHES = (1, 16, 64)
+QUICK_CONTEXTS = (128, 1024)
+CPU_ROUNDS = 15
+# (paged, baseline) time ratios reported, where both ran.
+RATIOS = (
+    ("paged_cpu", "contiguous_sdpa"),
+    ("paged_cpu", "paged_cpu_blocks_in_order"),
+    ("triton_v1", "contiguous_sdpa"),
+    ("triton_v2", "contiguous_sdpa"),
+    ("flash_attn_paged", "contiguous_sdpa"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+
+@dataclass(slots=True)
+class Case:
+    """One grid point: the same K/V paged (shuffled blocks) and contiguous `[B, H_kv, L, D]`."""
+
+    query: torch.Tensor  # [B, H, D]
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    k_contiguous: torch.Tensor
+    v_contiguous: torch.Tensor
+    scale: float
+
+    @property
+    def kv_bytes(self) -> int:
+        return 2 * self.k_contiguous.numel() * self.k_contiguous.element_size()
+
+
+@dataclass(slots=True)
+class Row:
+    device: str
+    batch: int
+    context: int
+    ms: dict[str, float]
+    paging_ratio: dict[str, float] = field(default_factory=dict)  # "paged / baseline": time ratio
+    bandwidth_fraction: dict[str, float] = field(default_factory=dict)  # of the H200's peak, CUDA only
+
+
+def make_case(shape: Shape, batch: int, context: int, block_size: int, device: str, seed: int = 0) -> Case:
+    # Drawn where they are used: gigabytes of K/V drawn on the CPU would take longer than the benchmark.
+    gen = torch.Generator(device=device).manual_seed(seed)
+    blocks_per_seq = context // block_size
+    num_blocks = batch * blocks_per_seq + 1
+    cache_shape = (num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
+    k_cache = torch.randn(cache_shape, generator=gen, device=device).to(shape.torch_dtype)
+    v_cache = torch.randn(cache_shape, generator=gen, device=device).to(shape.torch_dtype)
+    tables = torch.randperm(num_blocks, generator=gen, device=device)[: batch * blocks_per_seq]
+    tables = tables.view(batch, blocks_per_seq).to(torch.int32)
+    query = torch.randn(batch, shape.num_heads, shape.head_dim, generator=gen, device=device).to(shape.torch_dtype)
+
+    def contiguous(cache: torch.Tensor) -> torch.Tensor:
+        return cache[tables.long()].reshape(batch, context, shape.num_kv_heads, -1).transpose(1, 2).contiguous()
+
+    return Case(
+        query=query,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_tables=tables,
+        seq_lens=torch.full((batch,), context, dtype=torch.int32, device=device),
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
+        k_contiguous=contiguous(k_cache),
+        v_contiguous=contiguous(v_cache),
+        scale=shape.head_dim**-0.5,
+    )
+
+
+def contiguous_decode(case: Case) -> torch.Tensor:
+    """Decode has no causal mask, so a KV head's query heads can be SDPA's query rows."""
+    batch, num_heads, head_dim = case.query.shape
+    num_kv_heads = case.k_contiguous.shape[1]
+    grouped = case.query.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(grouped, case.k_contiguous, case.v_contiguous, scale=case.scale)
+    return out.reshape(batch, num_heads, head_dim)
+
+
+def in_order(case: Case) -> Case:
+    """The same K/V with each sequence's blocks laid out one after another, block table 0, 1, 2, ...: the
+    paged kernel on contiguous memory, which isolates the cost of scattered blocks from the kernel's own."""
+    order = case.block_tables.long().flatten()
+    tables = torch.arange(order.numel(), dtype=torch.int32, device=order.device).view_as(case.block_tables)
+    return Case(
+        query=case.query,
+        k_cache=case.k_cache[order],
+        v_cache=case.v_cache[order],
+        block_tables=tables,
+        seq_lens=case.seq_lens,
+        query_start_loc=case.query_start_loc,
+        k_contiguous=case.k_contiguous,
+        v_contiguous=case.v_contiguous,
+        scale=case.scale,
+    )
+
+
+def cpu_paged(case: Case, block_size: int) -> Callable[[], torch.Tensor]:
+    plan = plan_attention(case.block_tables, case.seq_lens, case.query_start_loc, block_size)
+    return lambda: run_planned(case.query, None, None, case.k_cache, case.v_cache, plan, case.scale)
+
+
+def cpu_candidates(case: Case, block_size: int) -> dict[str, Callable[[], torch.Tensor]]:
+    return {
+        "contiguous_sdpa": lambda: contiguous_decode(case),
+        "paged_cpu": cpu_paged(case, block_size),
+        "paged_cpu_blocks_in_order": cpu_paged(in_order(case), block_size),
+    }
+
+
+def cuda_candidates(case: Case) -> dict[str, Callable[[], torch.Tensor]]:
+    from pagedllm.attention import triton_ops
+
+    max_len = int(case.seq_lens.max())
+    rows = case.query_start_loc[:-1]
+
+    def triton_decode(version: int) -> Callable[[], torch.Tensor]:
+        def run() -> torch.Tensor:
+            out = torch.empty_like(case.query)
+            args = (case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, rows, out, case.scale)
+            triton_ops.decode(*args, max_seq_len=max_len, version=version)
+            return out
+
+        return run
+
+    return {
+        "contiguous_sdpa": lambda: contiguous_decode(case),
+        "triton_v1": triton_decode(1),
+        "triton_v2": triton_decode(2),
+    }
+
+
+def flash_attn_decode(case: Case) -> torch.Tensor:
+    from flash_attn import flash_attn_with_kvcache
+
+    out = flash_attn_with_kvcache(
+        case.query[:, None],
+        case.k_cache,
+        case.v_cache,
+        cache_seqlens=case.seq_lens,
+        block_table=case.block_tables,
+        softmax_scale=case.scale,
+    )
+    return out[:, 0]
+
+
+def flash_attn_available() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def time_cpu(candidates: dict[str, Callable[[], torch.Tensor]]) -> dict[str, float]:
+    """Best of CPU_ROUNDS alternating runs, in milliseconds."""
+    best = dict.fromkeys(candidates, float("inf"))
+    for fn in candidates.values():
+        fn()  # warm-up: page faults, the native kernel's build, thread pools
+    for _ in range(CPU_ROUNDS):
+        for name, fn in candidates.items():
+            start = time.perf_counter()
+            fn()
+            best[name] = min(best[name], (time.perf_counter() - start) * 1e3)
+    return best
+
+
+def time_cuda(candidates: dict[str, Callable[[], torch.Tensor]]) -> dict[str, float]:
+    import triton.testing
+
+    return {name: float(triton.testing.do_bench(fn)) for name, fn in candidates.items()}
+
+
+def check_agreement(case: Case, candidates: dict[str, Callable[[], torch.Tensor]]) -> None:
+    """Every implementation must compute the same attention, or the timings compare different work."""
+    expected = contiguous_decode(case).float()
+    for name, fn in candidates.items():
+        if not torch.allclose(fn().float(), expected, atol=2e-2, rtol=2e-2):
+            raise AssertionError(f"{name} disagrees with contiguous SDPA")
+
+
+def measure(shape: Shape, batch: int, context: int, device: str) -> Row:
+    case = make_case(shape, batch, context, shape.block_size, device)
+    if device == "cpu":
+        candidates = cpu_candidates(case, shape.block_size)
+        check_agreement(case, candidates)
+        ms = time_cpu(candidates)
+    else:
+        candidates = cuda_candidates(case)
+        check_agreement(case, candidates)
+        if flash_attn_available() and context % FLASH_ATTN_PAGE == 0:
+            fa_case = make_case(shape, batch, context, FLASH_ATTN_PAGE, device)
+            fa = {"flash_attn_paged": lambda: flash_attn_decode(fa_case)}
+            check_agreement(fa_case, fa)
+            candidates |= fa
+        ms = time_cuda(candidates)
+    row = Row(device, batch, context, ms)
+    for paged, baseline in RATIOS:
+        if paged in ms:
+            row.paging_ratio[f"{paged} / {baseline}"] = ms[paged] / ms[baseline]
+    if device == "cuda":
+        row.bandwidth_fraction = {name: case.kv_bytes / (t * 1e-3) / H200_BYTES_PER_S for name, t in ms.items()}
+    return row
+
+
+def format_table(rows: list[Row]) -> str:
+    """A markdown table; a cell is "-" where an implementation did not run (FlashAttention below one page)."""
+    names = list(dict.fromkeys(name for row in rows for name in row.ms))
+    ratios = list(dict.fromkeys(label for row in rows for label in row.paging_ratio))
+    fractions = names if any(row.bandwidth_fraction for row in rows) else []
+    header = ["batch", "context", *(f"{n} ms" for n in names), *ratios]
+    header += [f"{n} of 4.8TB/s" for n in fractions]
+    lines = [" | ".join(header), " | ".join("---" for _ in header)]
+    for row in rows:
+        cells = [str(row.batch), str(row.context), *(_cell(row.ms, n, "{:.3f}") for n in names)]
+        cells += [_cell(row.paging_ratio, n, "{:.2f}") for n in ratios]
+        cells += [_cell(row.bandwidth_fraction, n, "{:.0%}") for n in fractions]
+        lines.append(" | ".join(cells))
+    return "\n".join(lines)
+
+
+def _cell(values: dict[str, float], name: str, template: str) -> str:
+    return template.format(values[name]) if name in values else "-"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a small grid")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    # Defaults: the embedded model's attention (SmolLM2-135M: 9 heads, 3 KV heads, head dim 64).
+    parser.add_argument("--heads", type=int, default=9)
+    parser.add_argument("--kv-heads", type=int, default=3)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    shape = Shape(args.heads, args.kv_heads, args.head_dim, args.block_size, args.dtype)
+    batches, contexts = (QUICK_BATCHES, QUICK_CONTEXTS) if args.quick else (BATCHES, CONTEXTS)
+    rows = [measure(shape, batch, context, args.device) for batch in batches for context in contexts]
+    print(f"decode attention, {args.device}, {shape}, threads={torch.get_num_threads()}")
+    print(format_table(rows))
+    if args.json:
+        report = {"device": args.device, "shape": asdict(shape), "threads": torch.get_num_threads()}
+        report["rows"] = [asdict(row) for row in rows]
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
