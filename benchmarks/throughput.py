@@ -82,10 +82,10 @@ def run_pagedllm(llm: LLM, workload: Workload) -> tuple[Result, dict]:
     return result("pagedllm", seconds, workload), detail
 
 
-def run_hf_static(folder: str, dtype: torch.dtype, workload: Workload, batch_size: int) -> Result:
+def run_hf_static(folder: str, dtype: torch.dtype, device: str, workload: Workload, batch_size: int) -> Result:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
     model.generation_config.eos_token_id = None
     start = time.perf_counter()
     for first in range(0, len(workload.prompts), batch_size):
@@ -94,8 +94,8 @@ def run_hf_static(folder: str, dtype: torch.dtype, workload: Workload, batch_siz
         ids, mask = left_pad(prompts)
         with torch.inference_mode():
             model.generate(
-                ids,
-                attention_mask=mask,
+                ids.to(device),
+                attention_mask=mask.to(device),
                 max_new_tokens=longest_output,
                 min_new_tokens=longest_output,
                 do_sample=False,
@@ -122,18 +122,19 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--json", default=None, help="write results here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    llm = LLM(model=args.model, dtype=args.dtype)
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device)
     workload = synthetic(args.num_prompts, llm.engine.vocab_size, args.seed)
     paged, detail = run_pagedllm(llm, workload)
     results = [paged]
     if not args.skip_hf:
         dtype = llm.engine.config.torch_dtype
-        results.append(run_hf_static(str(llm.engine.loaded.folder), dtype, workload, args.hf_batch_size))
+        results.append(run_hf_static(str(llm.engine.loaded.folder), dtype, args.device, workload, args.hf_batch_size))
     report(results, detail, args)
 
 

@@ -33,6 +33,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"
     swap_space: float = 4.0  # GiB of CPU memory for blocks swapped out (used when preemption_mode="swap")
+    device: str = "cpu"  # "cuda" runs the model and KV cache on the GPU with the Triton kernels
 
     def __post_init__(self) -> None:
         _require_positive("block_size", self.block_size)
@@ -43,6 +44,10 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
             raise ValueError("give num_kv_blocks or kv_cache_memory, not both")
         resolve_dtype(self.dtype)
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' was asked for but torch sees no CUDA device")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if isinstance(self.swap_space, bool) or not isinstance(self.swap_space, int | float) or self.swap_space < 0:
@@ -62,7 +67,7 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+        return torch.bfloat16 if cpu_has_native_bf16() or torch.cuda.is_available() else torch.float32
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
     return _DTYPES[dtype]

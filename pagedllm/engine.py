@@ -66,7 +66,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         started = time.perf_counter()
         self.config = config
-        self.loaded: LoadedModel = load_model(config.model, config.torch_dtype)
+        self.loaded: LoadedModel = load_model(config.model, config.torch_dtype, config.device)
         self.tokenizer = self.loaded.tokenizer
         shape = _kv_shape(self.loaded, config)
         num_blocks = config.num_kv_blocks or shape.blocks_for_memory(config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY)
@@ -82,7 +82,7 @@ class LLMEngine:
             config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
             config.preemption_mode,
         )
-        self.cache = CacheEngine(shape, num_blocks, num_cpu_blocks)
+        self.cache = CacheEngine(shape, num_blocks, num_cpu_blocks, config.device)
         self.runner = ModelRunner(self.loaded.model, self.cache.kv_caches, config.block_size)
         self.sampler = Sampler()
         self.eos_ids = _eos_ids(self.loaded)

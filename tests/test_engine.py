@@ -181,3 +181,16 @@ def test_chat_applies_the_template(llm):
     expected = llm.get_tokenizer().apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
     assert out.prompt == expected
     assert len(llm.chat([conversation, conversation], greedy(5), use_tqdm=False)) == 2
+
+
+def test_engine_options_are_validated_with_the_field_named():
+    import torch
+
+    for bad, field in [({"device": "tpu"}, "device"), ({"preemption_mode": "drop"}, "preemption_mode")]:
+        with pytest.raises(ValueError, match=field):
+            EngineConfig(**bad)
+    with pytest.raises(ValueError, match="swap_space"):
+        EngineConfig(swap_space=-1)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            EngineConfig(device="cuda")

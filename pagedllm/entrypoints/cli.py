@@ -30,6 +30,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
     parser.add_argument("--swap-space", type=float, default=4.0, help="GiB of CPU swap space for preemption by swap")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -56,6 +57,7 @@ def build_llm(args: argparse.Namespace) -> LLM:
         enable_prefix_caching=args.enable_prefix_caching,
         preemption_mode=args.preemption_mode,
         swap_space=args.swap_space,
+        device=args.device,
     )
 
 

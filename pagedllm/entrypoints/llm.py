@@ -33,6 +33,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         preemption_mode: str = "recompute",
         swap_space: float = 4.0,
+        device: str = "cpu",
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -47,6 +48,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             preemption_mode=preemption_mode,
             swap_space=swap_space,
+            device=device,
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()

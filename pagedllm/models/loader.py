@@ -42,7 +42,7 @@ def resolve_model_folder(model: str | Path | None) -> Path:
     return path
 
 
-def load_model(model: str | Path | None, dtype: torch.dtype) -> LoadedModel:
+def load_model(model: str | Path | None, dtype: torch.dtype, device: str = "cpu") -> LoadedModel:
     folder = resolve_model_folder(model)
     config = ModelConfig.from_folder(folder)
     if not set(config.architectures) & SUPPORTED_ARCHITECTURES:
@@ -55,7 +55,7 @@ def load_model(model: str | Path | None, dtype: torch.dtype) -> LoadedModel:
     if config.tie_word_embeddings:
         net.lm_head.weight = net.embed_tokens.weight
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    return LoadedModel(net.eval().requires_grad_(False), config, tokenizer, folder)
+    return LoadedModel(net.to(device).eval().requires_grad_(False), config, tokenizer, folder)
 
 
 def _read_state_dict(folder: Path, net: LlamaForCausalLM, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -69,10 +69,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: FlatBatch) -> torch.Tensor:
-        """Float32 logits `[len(batch.logits_index), vocab]`."""
+        """Float32 logits `[len(batch.logits_index), vocab]`, on the CPU where the sampler runs
+        (each sequence's RNG is a CPU generator)."""
         plan = plan_attention(
             batch.block_tables, batch.seq_lens, batch.query_start_loc, self.block_size, self.workspace
         )
-        ctx = StepContext(batch.positions, batch.slot_mapping, plan, self.kv_caches)
-        hidden = self.model(batch.input_ids, ctx)
-        return self.model.compute_logits(hidden.index_select(0, batch.logits_index))
+        device = self.kv_caches[0][0].device
+        ctx = StepContext(batch.positions.to(device), batch.slot_mapping.to(device), plan, self.kv_caches)
+        hidden = self.model(batch.input_ids.to(device), ctx)
+        return self.model.compute_logits(hidden.index_select(0, batch.logits_index.to(device))).cpu()
