@@ -7,6 +7,7 @@ import logging
 import sys
 from collections.abc import Iterator
 
+from pagedllm.entrypoints.bench_memory import add_bench_memory_args, run_bench_memory
 from pagedllm.entrypoints.bench_serve import add_bench_serve_args, run_bench_serve
 from pagedllm.entrypoints.llm import LLM, Message
 from pagedllm.sampling_params import SamplingParams
@@ -174,6 +175,9 @@ def make_parser() -> argparse.ArgumentParser:
     bench_serve = benchmarks.add_parser("serve", help="load-test an OpenAI-compatible server (pagedllm's, vLLM's)")
     add_bench_serve_args(bench_serve)
     bench_serve.set_defaults(handler=run_bench_serve)
+    bench_memory = benchmarks.add_parser("memory", help="KV memory utilization: paged vs contiguous allocators")
+    add_bench_memory_args(bench_memory)
+    bench_memory.set_defaults(handler=run_bench_memory)
     return parser
 
 
