@@ -95,28 +95,32 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             group = self.running[index]
             mark = len(out.scheduled)
-            if not self._schedule_group(group, out, budget, may_preempt=True):
+            spent = self._schedule_group(group, out, budget, may_preempt=True)
+            if spent is None:
                 del out.scheduled[mark:]  # the group itself was preempted
                 break
-            budget -= sum(item.num_new_tokens for item in out.scheduled[mark:])
+            budget -= spent
             index += 1
         return budget
 
-    def _schedule_group(self, group: SequenceGroup, out: SchedulerOutput, budget: int, may_preempt: bool) -> bool:
+    def _schedule_group(self, group: SequenceGroup, out: SchedulerOutput, budget: int, may_preempt: bool) -> int | None:
+        """Schedule the group's sequences; returns the tokens spent, or None if the group itself was
+        preempted to make room."""
+        spent = 0
         for seq in group.live_seqs():
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = min(seq.num_uncomputed_tokens, budget - spent)
             if num_new == 0:
                 continue  # budget spent, or a beam already waiting for its siblings
             while not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new, out.copies):
                 if not may_preempt:
-                    return True  # it keeps its place and runs next step
+                    return spent  # the rest keep their place and run next step
                 victim = self.running.pop()
                 self._preempt(victim, out)
                 if victim is group:
-                    return False
+                    return None
             out.scheduled.append(ScheduledSeq(seq, num_new))
-            budget -= num_new
-        return True
+            spent += num_new
+        return spent
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         """Swap the whole request out if asked and there is CPU room (a forked request keeps its
@@ -152,9 +156,7 @@ class Scheduler:
             for seq in group.live_seqs():
                 seq.status = SequenceStatus.RUNNING
             self.running.append(group)
-            mark = len(out.scheduled)
-            self._schedule_group(group, out, budget, may_preempt=False)
-            budget -= sum(item.num_new_tokens for item in out.scheduled[mark:])
+            budget -= self._schedule_group(group, out, budget, may_preempt=False) or 0
         return budget
 
     # ---- new and recomputed requests --------------------------------------------------------

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -67,17 +69,8 @@ class LLM:
         self, prompts: PromptInput | Seq[PromptInput], params: BeamSearchParams, use_tqdm: bool = False
     ) -> list[RequestOutput]:
         """Beam search per prompt; each result's outputs are its beams, best score first."""
-        batch = _as_prompt_list(prompts)
-        request_ids: list[str] = []
-        try:
-            for prompt in batch:
-                request_ids.append(str(next(self._ids)))
-                self.engine.add_beam_request(request_ids[-1], prompt, params)
-        except Exception:
-            for request_id in request_ids:
-                self.engine.abort_request(request_id)
-            raise
-        return self._run(request_ids, use_tqdm)
+        adds = [partial(self.engine.add_beam_request, prompt=p, params=params) for p in _as_prompt_list(prompts)]
+        return self._run(self._add_all(adds), use_tqdm)
 
     def generate(
         self,
@@ -88,8 +81,8 @@ class LLM:
         """Run every prompt to completion in continuous batches; results come back in input order."""
         batch = _as_prompt_list(prompts)
         params = _params_per_prompt(sampling_params, len(batch))
-        request_ids = self._add_all(batch, params)
-        return self._run(request_ids, use_tqdm)
+        adds = [partial(self.engine.add_request, prompt=p, params=q) for p, q in zip(batch, params, strict=True)]
+        return self._run(self._add_all(adds), use_tqdm)
 
     def chat(
         self,
@@ -111,13 +104,14 @@ class LLM:
         # The template already holds any BOS it wants; tokenizing must not add a second.
         return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
-    def _add_all(self, prompts: list[PromptInput], params: list[SamplingParams]) -> list[str]:
-        """Add all or nothing: if one prompt is refused, the ones already queued are withdrawn."""
+    def _add_all(self, adds: list[Callable[[str], None]]) -> list[str]:
+        """Add all or nothing (each `add` queues one request under the id it is given): if one prompt
+        is refused, the ones already queued are withdrawn."""
         request_ids: list[str] = []
         try:
-            for prompt, param in zip(prompts, params, strict=True):
+            for add in adds:
                 request_id = str(next(self._ids))
-                self.engine.add_request(request_id, prompt, param)
+                add(request_id)
                 request_ids.append(request_id)
         except Exception:
             for request_id in request_ids:
