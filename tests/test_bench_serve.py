@@ -7,9 +7,11 @@ import json
 import random
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
+from matplotlib.image import imread
 
-from pagedllm.entrypoints.bench_serve import poisson_offsets
+from pagedllm.benchmarks.serve import poisson_offsets
 from pagedllm.entrypoints.cli import main
 from tests.test_server import ServerProcess, start_server, stop_server
 
@@ -50,6 +52,12 @@ def test_report_has_every_field_with_consistent_values(server, tmp_path, capsys)
     # vLLM's TPOT: (e2e - ttft) / (output tokens - 1) per request; every request has MAX_TOKENS tokens.
     expected_e2el = report["mean_ttft_ms"] + (MAX_TOKENS - 1) * report["mean_tpot_ms"]
     assert report["mean_e2el_ms"] == pytest.approx(expected_e2el)
+    # Every request's TTFT and TPOT, in seconds, behind the summary and the CDF plot beside the JSON.
+    assert len(report["ttfts_s"]) == len(report["tpots_s"]) == NUM_PROMPTS
+    assert 1000 * np.mean(report["ttfts_s"]) == pytest.approx(report["mean_ttft_ms"])
+    assert 1000 * np.percentile(report["tpots_s"], 99) == pytest.approx(report["p99_tpot_ms"])
+    plot = tmp_path / "latency_cdf.png"
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and imread(plot).shape[:2] == (400, 1000)
     table = capsys.readouterr().out
     for line in ("Serving Benchmark Result", "Output token throughput (tok/s):", "P99 TTFT (ms):", "Mean ITL (ms):"):
         assert line in table

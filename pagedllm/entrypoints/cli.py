@@ -7,8 +7,9 @@ import logging
 import sys
 from collections.abc import Iterator
 
-from pagedllm.entrypoints.bench_memory import add_bench_memory_args, run_bench_memory
-from pagedllm.entrypoints.bench_serve import add_bench_serve_args, run_bench_serve
+from pagedllm.benchmarks.memory import add_bench_memory_args, run_bench_memory
+from pagedllm.benchmarks.serve import add_bench_serve_args, run_bench_serve
+from pagedllm.benchmarks.throughput import add_bench_throughput_args, run_bench_throughput
 from pagedllm.entrypoints.llm import LLM, Message
 from pagedllm.sampling_params import SamplingParams
 
@@ -178,6 +179,11 @@ def make_parser() -> argparse.ArgumentParser:
     bench_memory = benchmarks.add_parser("memory", help="KV memory utilization: paged vs contiguous allocators")
     add_bench_memory_args(bench_memory)
     bench_memory.set_defaults(handler=run_bench_memory)
+    bench_throughput = benchmarks.add_parser(
+        "throughput", help="offline throughput of one workload on pagedllm, transformers and vLLM"
+    )
+    add_bench_throughput_args(bench_throughput)
+    bench_throughput.set_defaults(handler=run_bench_throughput)
     return parser
 
 

@@ -5,7 +5,8 @@ Requests arrive as a Poisson process at `--request-rate` (inf: all at once) and 
 `/v1/completions`. The metrics follow vLLM's definitions: TTFT is the time to the first chunk with text;
 ITL the gaps between later text chunks; TPOT per request is (e2e - TTFT) / (output tokens - 1), over
 requests with more than one token; e2e ends at the last text chunk. Output tokens are the server's own
-count (`usage.completion_tokens`, asked for with `stream_options.include_usage`).
+count (`usage.completion_tokens`, asked for with `stream_options.include_usage`). `--json` also keeps
+every request's TTFT and TPOT (`ttfts_s`, `tpots_s`, seconds) and plots their CDFs beside the file.
 """
 
 from __future__ import annotations
@@ -67,7 +68,12 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true", help="vLLM extra: always generate max-tokens")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
-    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        help="also write the results here, with every request's TTFT and TPOT, and latency_cdf.png beside it",
+    )
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:
@@ -86,6 +92,10 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     print(format_report(report))
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
+        # Imported here: matplotlib costs a noticeable part of the CLI's start, and only --json needs it.
+        from pagedllm.benchmarks.plots import plot_latency_cdfs
+
+        plot_latency_cdfs(report["ttfts_s"], report["tpots_s"], args.json.parent / "latency_cdf.png")
     if report["failed"]:
         print(f"pagedllm bench: {report['failed']} requests failed, e.g.: {report['first_error']}", file=sys.stderr)
     return 0 if report["completed"] else 1
@@ -214,7 +224,8 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
     report |= _distribution("tpot", tpots)
     report |= _distribution("itl", [gap for r in done for gap in r.itl])
     report |= _distribution("e2el", [r.latency for r in done])
-    return report
+    # Per request, in seconds, for CDFs and for statistics this summary does not compute.
+    return report | {"ttfts_s": [r.ttft for r in done], "tpots_s": tpots}
 
 
 def _distribution(name: str, seconds: list[float]) -> dict[str, float]:

@@ -1,0 +1,364 @@
+"""`pagedllm bench throughput`: one seeded workload, offline, on each engine in turn.
+
+    pagedllm bench throughput --workload synthetic --num-prompts 128 \\
+        --engines pagedllm,hf-static,hf-cb,vllm --vllm-python .venv-vllm/bin/python --out bench-results
+
+Every engine loads the same Hugging Face folder (for the GGUF default, the dequantized folder
+pagedllm writes once), in the same dtype with the same thread count, and must return exactly the
+tokens the workload asks for (EOS ignored); a run that returns another count is an error, not a
+row. Engines:
+
+- pagedllm: `LLM.generate` / `LLM.beam_search`;
+- hf-static: `transformers` `generate` in static batches (left padding; each batch runs to its
+  longest output), the baseline of the vLLM paper;
+- hf-cb: `transformers`' continuous batching on its paged cache (`init_continuous_batching`);
+- vllm: vLLM in its own interpreter (`--vllm-python`), driven by `vllm_runner.py`.
+
+Load time is measured from nothing to an engine ready to take requests; throughput from the first
+request to the last token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from pagedllm.beam_search import BeamSearchParams
+from pagedllm.benchmarks.workloads import WORKLOADS, Workload, make_workload
+from pagedllm.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, resolve_dtype
+from pagedllm.entrypoints.llm import LLM
+from pagedllm.models.config import ModelConfig
+from pagedllm.models.loader import resolve_model_folder
+from pagedllm.sampling_params import SamplingParams
+
+ENGINES = ("pagedllm", "hf-static", "hf-cb", "vllm")
+VLLM_RUNNER = Path(__file__).with_name("vllm_runner.py")
+
+
+@dataclass(frozen=True, slots=True)
+class BenchSetup:
+    folder: Path
+    dtype: torch.dtype
+    threads: int
+    seed: int
+    device: str
+    max_model_len: int
+    hf_batch_size: int = 16
+    vllm_python: str | None = None
+
+
+@dataclass(slots=True)
+class EngineResult:
+    engine: str
+    load_seconds: float
+    seconds: float
+    requests_per_s: float
+    output_tok_per_s: float
+    total_tok_per_s: float
+    detail: dict = field(default_factory=dict)
+
+
+class UnsupportedWorkload(Exception):
+    """The engine has no way to run this workload (e.g. beam search in transformers' continuous batching)."""
+
+
+def measure(engine: str, load_seconds: float, seconds: float, generated: int, workload: Workload) -> EngineResult:
+    if generated != workload.output_tokens:
+        raise RuntimeError(f"{engine} returned {generated} tokens where the workload asks for {workload.output_tokens}")
+    return EngineResult(
+        engine=engine,
+        load_seconds=load_seconds,
+        seconds=seconds,
+        requests_per_s=len(workload.requests) / seconds,
+        output_tok_per_s=workload.output_tokens / seconds,
+        total_tok_per_s=(workload.prompt_tokens + workload.output_tokens) / seconds,
+    )
+
+
+def run_pagedllm(setup: BenchSetup, workload: Workload) -> EngineResult:
+    start = time.perf_counter()
+    llm = LLM(
+        model=setup.folder, dtype=setup.dtype, seed=setup.seed, max_model_len=setup.max_model_len, device=setup.device
+    )
+    load_seconds = time.perf_counter() - start
+    prompts = [{"prompt_token_ids": list(r.prompt)} for r in workload.requests]
+    start = time.perf_counter()
+    if workload.beam_width > 1:
+        params = BeamSearchParams(workload.beam_width, _single_output_len(workload), ignore_eos=True)
+        outputs = llm.beam_search(prompts, params)
+        generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    else:
+        sampling = [
+            SamplingParams(
+                n=workload.n,
+                temperature=workload.temperature,
+                max_tokens=r.output_len,
+                ignore_eos=True,
+                seed=setup.seed + i,
+            )
+            for i, r in enumerate(workload.requests)
+        ]
+        outputs = llm.generate(prompts, sampling, use_tqdm=False)
+        generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    result = measure("pagedllm", load_seconds, time.perf_counter() - start, generated, workload)
+    stats = llm.stats()
+    result.detail = {
+        "steps": stats.num_steps,
+        "peak_kv_blocks": stats.kv_blocks_peak,
+        "preemptions": stats.num_preemptions,
+        "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
+        "step_seconds": stats.step_seconds,
+    }
+    return result
+
+
+def _single_output_len(workload: Workload) -> int:
+    lengths = {r.output_len for r in workload.requests}
+    if len(lengths) != 1:
+        raise ValueError("beam search workloads ask one output length of every request")
+    return lengths.pop()
+
+
+def _load_hf(setup: BenchSetup):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(setup.folder, dtype=setup.dtype).to(setup.device).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def _hf_sampling(workload: Workload) -> dict:
+    """transformers' generate arguments that match the workload's decoding: greedy, plain sampling
+    at temperature 1 (no top-k / top-p, as the other engines), or beam search."""
+    if workload.beam_width > 1:
+        return {"do_sample": False, "num_beams": workload.beam_width, "num_return_sequences": 1}
+    if workload.n > 1:
+        return {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "num_return_sequences": workload.n}
+    return {"do_sample": False}
+
+
+def run_hf_static(setup: BenchSetup, workload: Workload) -> EngineResult:
+    start = time.perf_counter()
+    model = _load_hf(setup)
+    load_seconds = time.perf_counter() - start
+    torch.manual_seed(setup.seed)
+    generated = 0
+    start = time.perf_counter()
+    for first in range(0, len(workload.requests), setup.hf_batch_size):
+        batch = workload.requests[first : first + setup.hf_batch_size]
+        longest = max(r.output_len for r in batch)
+        ids, mask = left_pad([r.prompt for r in batch])
+        with torch.inference_mode():
+            out = model.generate(
+                ids.to(setup.device),
+                attention_mask=mask.to(setup.device),
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                pad_token_id=0,
+                **_hf_sampling(workload),
+            )
+        # The batch runs to its longest output; each request is served the tokens it asked for.
+        new_tokens = out.shape[1] - ids.shape[1]
+        generated += sum(min(r.output_len, new_tokens) for r in batch) * workload.n
+    return measure("hf-static", load_seconds, time.perf_counter() - start, generated, workload)
+
+
+def left_pad(prompts: list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    return ids, mask
+
+
+def run_hf_cb(setup: BenchSetup, workload: Workload) -> EngineResult:
+    if workload.beam_width > 1:
+        raise UnsupportedWorkload("transformers' continuous batching has no beam search")
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    start = time.perf_counter()
+    model = _load_hf(setup)
+    sampling = _hf_sampling(workload)
+    config = GenerationConfig(max_new_tokens=max(r.output_len for r in workload.requests), eos_token_id=-1, **sampling)
+    cb_config = ContinuousBatchingConfig(
+        max_batch_tokens=DEFAULT_MAX_NUM_BATCHED_TOKENS, seed=setup.seed, num_blocks=_hf_cb_blocks(workload)
+    )
+    manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=cb_config)
+    manager.start()
+    load_seconds = time.perf_counter() - start
+    expected = len(workload.requests) * workload.n
+    generated = finished = 0
+    start = time.perf_counter()
+    try:
+        for r in workload.requests:
+            manager.add_request(list(r.prompt), max_new_tokens=r.output_len, eos_token_id=-1)
+        while finished < expected:
+            output = manager.get_result(timeout=1)
+            if output is not None:
+                finished += 1
+                generated += len(output.generated_tokens)
+            elif not manager.is_running():
+                raise RuntimeError("transformers' continuous batching manager stopped before finishing")
+        seconds = time.perf_counter() - start
+    finally:
+        manager.stop(block=True)
+    return measure("hf-cb", load_seconds, seconds, generated, workload)
+
+
+def _hf_cb_blocks(workload: Workload) -> int:
+    """Pages of 256 tokens enough for every sequence at once: the CPU has no GPU memory to size
+    the cache from, and the harness compares batching, not preemption."""
+    return sum(-(-r.final_len // 256) for r in workload.requests) * workload.n
+
+
+def run_vllm(setup: BenchSetup, workload: Workload) -> EngineResult:
+    if setup.vllm_python is None:
+        raise ValueError("--engines vllm needs --vllm-python (the interpreter of a venv with vLLM installed)")
+    job = {
+        "model": str(setup.folder),
+        "dtype": str(setup.dtype).removeprefix("torch."),
+        "threads": setup.threads,
+        "seed": setup.seed,
+        "max_model_len": setup.max_model_len,
+        "max_num_batched_tokens": DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        # Throughput runs without caching unless the workload is about sharing a prefix.
+        "enable_prefix_caching": workload.name == "shared-prefix",
+        "requests": [[list(r.prompt), r.output_len] for r in workload.requests],
+        "n": workload.n,
+        "temperature": workload.temperature,
+        "beam_width": workload.beam_width,
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
+        job_path.write_text(json.dumps(job))
+        subprocess.run(
+            [setup.vllm_python, str(VLLM_RUNNER), str(job_path), str(result_path)],
+            check=True,
+            env=vllm_env(setup.threads),
+        )
+        answer = json.loads(result_path.read_text())
+    return measure("vllm", answer["load_seconds"], answer["seconds"], answer["generated_tokens"], workload)
+
+
+def vllm_env(threads: int) -> dict[str, str]:
+    """vLLM's best CPU settings here: OpenMP threads bound to every core and no core reserved for
+    the front end (its default binding leaves one of two cores idle). Settings already in the
+    environment win, so a user can try others."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
+    env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    return env
+
+
+RUNNERS = {"pagedllm": run_pagedllm, "hf-static": run_hf_static, "hf-cb": run_hf_cb, "vllm": run_vllm}
+
+
+def run_engines(setup: BenchSetup, workload: Workload, engines: list[str]) -> list[EngineResult | str]:
+    """One result per engine, in order; an engine that cannot run the workload gives its reason instead."""
+    results: list[EngineResult | str] = []
+    for engine in engines:
+        try:
+            results.append(RUNNERS[engine](setup, workload))
+        except UnsupportedWorkload as reason:
+            results.append(f"{engine}: {reason}")
+        gc.collect()  # each engine's model and cache go before the next one loads
+    return results
+
+
+def add_bench_throughput_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workload", choices=WORKLOADS, default="synthetic")
+    parser.add_argument("--num-prompts", type=int, default=128)
+    parser.add_argument("--engines", default="pagedllm,hf-static", help=f"comma-separated, from {','.join(ENGINES)}")
+    parser.add_argument("--model", default=None, help="HF folder or .gguf (default: embedded SmolLM2-135M)")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--vllm-python", default=None, help="python of the venv holding vLLM (see docs/VLLM_CPU.md)")
+    parser.add_argument("--out", type=Path, default=None, help="folder for throughput.json and throughput.png")
+
+
+def run_bench_throughput(args: argparse.Namespace) -> int:
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = sorted(set(engines) - set(ENGINES))
+    if unknown or not engines:
+        raise ValueError(f"unknown engine(s) {unknown}; choose from {', '.join(ENGINES)}")
+    torch.set_num_threads(args.threads)
+    folder = resolve_model_folder(args.model)
+    max_model_len = min(args.max_model_len, ModelConfig.from_folder(folder).max_position_embeddings)
+    setup = BenchSetup(
+        folder=folder,
+        dtype=resolve_dtype(args.dtype),
+        threads=args.threads,
+        seed=args.seed,
+        device=args.device,
+        max_model_len=max_model_len,
+        hf_batch_size=args.hf_batch_size,
+        vllm_python=args.vllm_python,
+    )
+    vocab_size = ModelConfig.from_folder(folder).vocab_size
+    workload = make_workload(args.workload, args.num_prompts, vocab_size, max_model_len, args.seed)
+    results = run_engines(setup, workload, engines)
+    print(format_table(workload, setup, results))
+    if args.out is not None:
+        write_results(args.out, workload, setup, results)
+    return 0
+
+
+def format_table(workload: Workload, setup: BenchSetup, results: list[EngineResult | str]) -> str:
+    rows = [r for r in results if isinstance(r, EngineResult)]
+    paged = next((r for r in rows if r.engine == "pagedllm"), None)
+    lines = [
+        f"workload {workload.name}: {len(workload.requests)} requests, {workload.prompt_tokens} prompt tokens, "
+        f"{workload.output_tokens} output tokens; {setup.dtype}, {setup.threads} threads, {setup.device}",
+        f"{'engine':<10} {'req/s':>8} {'out tok/s':>10} {'total tok/s':>12} {'load s':>7} {'run s':>8} "
+        f"{'pagedllm ×':>11}",
+    ]
+    for r in rows:
+        ratio = f"{paged.output_tok_per_s / r.output_tok_per_s:>10.2f}×" if paged else f"{'-':>11}"
+        lines.append(
+            f"{r.engine:<10} {r.requests_per_s:>8.3f} {r.output_tok_per_s:>10.1f} {r.total_tok_per_s:>12.1f} "
+            f"{r.load_seconds:>7.1f} {r.seconds:>8.1f} {ratio}"
+        )
+    lines += [f"not run: {r}" for r in results if isinstance(r, str)]
+    return "\n".join(lines)
+
+
+def write_results(out: Path, workload: Workload, setup: BenchSetup, results: list[EngineResult | str]) -> None:
+    from pagedllm.benchmarks.plots import plot_throughput
+
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [asdict(r) for r in results if isinstance(r, EngineResult)]
+    report = {
+        "workload": workload.name,
+        "num_requests": len(workload.requests),
+        "prompt_tokens": workload.prompt_tokens,
+        "output_tokens": workload.output_tokens,
+        "model": str(setup.folder),
+        "dtype": str(setup.dtype),
+        "threads": setup.threads,
+        "device": setup.device,
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "results": rows,
+        "not_run": [r for r in results if isinstance(r, str)],
+    }
+    (out / "throughput.json").write_text(json.dumps(report, indent=2))
+    if rows:
+        plot_throughput(rows, out / "throughput.png")
