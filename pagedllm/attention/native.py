@@ -1,59 +1,30 @@
 """The C decode kernel (csrc/paged_decode.c): built on first use with the system compiler, cached,
 and called through ctypes. When no compiler is available the CPU path falls back to torch ops.
 
-Set PAGEDLLM_NATIVE=0 to disable it.
+Set PAGEDLLM_NATIVE=0 to disable it (see `pagedllm.native`).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from functools import cache
 from pathlib import Path
 
 import torch
 
-logger = logging.getLogger(__name__)
+from pagedllm import native
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
-# The parts of -ffast-math that let reductions vectorize, but not -ffast-math itself: linking with it
-# sets flush-to-zero for the whole process.
-FLAGS = (
-    "-O3",
-    "-march=native",
-    "-fopenmp",
-    "-fno-math-errno",
-    "-fno-trapping-math",
-    "-fassociative-math",
-    "-fno-signed-zeros",
-    "-freciprocal-math",
-    "-shared",
-    "-fPIC",
-)
 _KERNELS = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
 _UNROLLED_HEAD_DIMS = (64, 128)
 _ARGTYPES = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 5 + [ctypes.c_float]
 _ARGTYPES[4] = ctypes.c_int64  # the block table's row stride
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("PAGEDLLM_CACHE_DIR") or Path.home() / ".cache" / "pagedllm"
-    return Path(root) / "native"
-
-
 @cache
 def library() -> ctypes.CDLL | None:
-    if os.environ.get("PAGEDLLM_NATIVE", "1") == "0":
-        return None
-    try:
-        lib = ctypes.CDLL(str(_build()))
-    except (OSError, subprocess.CalledProcessError) as error:
-        logger.warning("native decode kernel unavailable (%s); using the torch path", error)
+    lib = native.load(SOURCE)
+    if lib is None:
         return None
     for prefix in _KERNELS.values():
         for suffix in ("d64", "d128", "any"):
@@ -61,23 +32,6 @@ def library() -> ctypes.CDLL | None:
             kernel.argtypes = _ARGTYPES
             kernel.restype = None
     return lib
-
-
-def _build() -> Path:
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if compiler is None:
-        raise OSError("no C compiler found")
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
-    target = cache_dir() / f"paged_decode-{digest}.so"
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename, so concurrent first uses never load a half-written file.
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        built = Path(scratch) / target.name
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], check=True, capture_output=True)
-        os.replace(built, target)
-    return target
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:

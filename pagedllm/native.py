@@ -1,0 +1,67 @@
+"""C sources built on first use with the system compiler, cached by content, loaded through ctypes.
+
+Each room keeps its own source under `csrc/` (the attention kernels, the model's fused element-wise
+ops) and asks `load` for it; when no compiler is available, `load` returns None and the caller falls
+back to torch ops. Set PAGEDLLM_NATIVE=0 to disable every native library.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+# The parts of -ffast-math that let reductions vectorize, but not -ffast-math itself: linking with it
+# sets flush-to-zero for the whole process.
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-freciprocal-math",
+    "-shared",
+    "-fPIC",
+)
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PAGEDLLM_CACHE_DIR") or Path.home() / ".cache" / "pagedllm"
+    return Path(root) / "native"
+
+
+def load(source: Path) -> ctypes.CDLL | None:
+    """The compiled library of `source`, or None (with a warning) where it cannot be built."""
+    if os.environ.get("PAGEDLLM_NATIVE", "1") == "0":
+        return None
+    try:
+        return ctypes.CDLL(str(_build(source)))
+    except (OSError, subprocess.CalledProcessError) as error:
+        logger.warning("native library %s unavailable (%s); using the torch path", source.name, error)
+        return None
+
+
+def _build(source: Path) -> Path:
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        raise OSError("no C compiler found")
+    digest = hashlib.sha256(source.read_bytes() + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
+    target = cache_dir() / f"{source.stem}-{digest}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename, so concurrent first uses never load a half-written file.
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        built = Path(scratch) / target.name
+        subprocess.run([compiler, *FLAGS, str(source), "-o", str(built), "-lm"], check=True, capture_output=True)
+        os.replace(built, target)
+    return target
