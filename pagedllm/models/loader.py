@@ -55,7 +55,9 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: str = "cpu"
     if config.tie_word_embeddings:
         net.lm_head.weight = net.embed_tokens.weight
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    return LoadedModel(net.to(device).eval().requires_grad_(False), config, tokenizer, folder)
+    net = net.to(device).eval().requires_grad_(False)
+    net.prepack()
+    return LoadedModel(net, config, tokenizer, folder)
 
 
 def _read_state_dict(folder: Path, net: LlamaForCausalLM, dtype: torch.dtype) -> dict[str, torch.Tensor]:

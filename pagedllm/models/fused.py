@@ -1,0 +1,101 @@
+"""The Llama layer's element-wise ops: a fused C kernel (csrc/fused_ops.c) for CPU tensors in bf16
+or float32, the plain torch form otherwise (other devices, no compiler, PAGEDLLM_NATIVE=0). Both
+round where transformers' Llama rounds."""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from pagedllm import native
+
+SOURCE = Path(__file__).parent / "csrc" / "fused_ops.c"
+_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+_PTR, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "rms_norm": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32],
+    "silu_mul": [_PTR, _PTR, _I64, _I64],
+    "rope": [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64],
+}
+
+
+@cache
+def library() -> ctypes.CDLL | None:
+    lib = native.load(SOURCE)
+    if lib is None:
+        return None
+    for name, argtypes in _SIGNATURES.items():
+        for suffix in _SUFFIX.values():
+            kernel = getattr(lib, f"{name}_{suffix}")
+            kernel.argtypes = argtypes
+            kernel.restype = None
+    return lib
+
+
+def _kernel(name: str, *tensors: torch.Tensor):
+    """The C kernel for these tensors, or None where the torch form must run."""
+    first = tensors[0]
+    if first.device.type != "cpu" or first.dtype not in _SUFFIX or any(t.dtype != first.dtype for t in tensors):
+        return None
+    lib = library()
+    return None if lib is None else getattr(lib, f"{name}_{_SUFFIX[first.dtype]}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm of `x`, or with `residual`: `residual += x` in place (rounded to the dtype) and the
+    norm of the sum. `x` and `residual` are `[tokens, hidden]`."""
+    kernel = _kernel("rms_norm", x, weight) if residual is None or residual.is_contiguous() else None
+    if kernel is None:
+        if residual is not None:
+            residual.add_(x)
+            x = residual
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * x32.to(x.dtype)
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    res_ptr = residual.data_ptr() if residual is not None else None
+    kernel(x.data_ptr(), res_ptr, weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` for `gate_up = [gate | up]` of shape `[tokens, 2 * intermediate]`."""
+    dim = gate_up.shape[-1] // 2
+    kernel = _kernel("silu_mul", gate_up)
+    if kernel is None:
+        gate, up = gate_up.split(dim, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+    gate_up = gate_up.contiguous()
+    out = gate_up.new_empty(gate_up.shape[0], dim)
+    kernel(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], dim)
+    return out
+
+
+def rope(qkv: torch.Tensor, col: int, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of the `heads` heads starting at column `col` of `qkv` `[tokens, width]`,
+    as a new `[tokens, heads, head_dim]`; `cos`/`sin` are `[tokens, head_dim]` in qkv's dtype."""
+    kernel = _kernel("rope", qkv, cos, sin) if qkv.stride(-1) == 1 else None
+    if kernel is None:
+        x = qkv[:, col : col + heads * head_dim].view(-1, heads, head_dim)
+        c, s = cos[:, None, :], sin[:, None, :]
+        half = head_dim // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * c + rotated * s
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = qkv.new_empty(qkv.shape[0], heads, head_dim)
+    kernel(
+        qkv.data_ptr(),
+        qkv.stride(0),
+        col,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        out.data_ptr(),
+        qkv.shape[0],
+        heads,
+        head_dim,
+    )
+    return out
