@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 
@@ -74,11 +74,20 @@ def _copy_between(
 
 def zeroed(dims: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """A zero-filled tensor. Zeros matter: attention multiplies padded positions by a weight of 0, and
-    0 times leftover garbage (a NaN bit pattern) would poison the output. On the CPU the memory comes
-    from numpy's calloc, whose fresh pages the OS zeroes lazily, so a 4 GiB pool costs nothing at start-up."""
+    0 times leftover garbage (a NaN bit pattern) would poison the output.
+
+    On the CPU the memory is an anonymous mapping, which the OS zeroes lazily, so a 4 GiB pool costs
+    nothing at start-up. It asks for transparent huge pages: the pool hands out fresh blocks in LRU
+    order, so every block's first write faults, and with 4 KiB pages those faults made writing a
+    2048-token prefill's K/V 7x slower than the copy itself."""
     if torch.device(device).type != "cpu":
         return torch.zeros(dims, dtype=dtype, device=device)
     num_bytes = torch.empty((), dtype=dtype).element_size()
     for dim in dims:
         num_bytes *= dim
-    return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(dims)
+    if num_bytes == 0:
+        return torch.zeros(dims, dtype=dtype)
+    memory = mmap.mmap(-1, num_bytes)
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux only; elsewhere plain pages
+        memory.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(memory, dtype=dtype).view(dims)
