@@ -1,6 +1,18 @@
-"""Attention microbenchmark: what reading K/V through a block table costs, for decode.
+"""Attention microbenchmark: what reading K/V through a block table costs, for decode, and the CPU
+kernel against torch on the engine's own shapes.
 
     python benchmarks/attention.py [--quick] [--json PATH]
+    python benchmarks/attention.py --engine [--json PATH]
+
+`--engine` (CPU) times the default model's attention (SmolLM2-135M: 9 heads, 3 KV heads, head dim 64,
+bf16, block size 16) on three shapes of a real run, each against what torch does for it:
+- decode: 111 sequences of 290 tokens, one query token each, against the torch fallback path and
+  contiguous SDPA. Every timed call attends over ENGINE_LAYERS layers' caches (about 200 MB, far beyond
+  the 32 MB L3) and reports the time per layer, so K/V come from DRAM as they do in the engine;
+- prompt: one 258-token prompt that is its whole context, against torch's fused causal SDPA (the path
+  the engine took before the kernel handled prompts);
+- chunk after prefix: 258 query tokens after 1790 cached ones, against the torch path (gather the
+  blocks, batched matmul, mask, softmax).
 
 On the CPU: the engine's `cpu` path (the plan built once, as the engine does per step, then the per-layer
 call) against torch's `scaled_dot_product_attention` on the same K/V stored contiguously per sequence.
@@ -23,11 +35,12 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention import plan_attention, run_planned
+from pagedllm.attention import native, paged_attention, plan_attention, run_planned
 
 H200_BYTES_PER_S = 4.8e12
 FLASH_ATTN_PAGE = 256  # flash_attn_with_kvcache needs pages that are multiples of 256 tokens
@@ -36,6 +49,8 @@ CONTEXTS = (128, 512, 1024, 2048, 4096)
 QUICK_BATCHES = (1, 16, 64)
 QUICK_CONTEXTS = (128, 1024)
 CPU_ROUNDS = 15
+ENGINE_ROUNDS = 30
+ENGINE_LAYERS = 8  # 8 layers' caches (about 200 MB) outrun the 32 MB L3, as the engine's 30 layers do
 # (paged, baseline) time ratios reported, where both ran.
 RATIOS = (
     ("paged_cpu", "contiguous_sdpa"),
@@ -91,7 +106,7 @@ class Row:
 def make_case(shape: Shape, batch: int, context: int, block_size: int, device: str, seed: int = 0) -> Case:
     # Drawn where they are used: gigabytes of K/V drawn on the CPU would take longer than the benchmark.
     gen = torch.Generator(device=device).manual_seed(seed)
-    blocks_per_seq = context // block_size
+    blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq + 1
     cache_shape = (num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
     k_cache = torch.randn(cache_shape, generator=gen, device=device).to(shape.torch_dtype)
@@ -101,7 +116,8 @@ def make_case(shape: Shape, batch: int, context: int, block_size: int, device: s
     query = torch.randn(batch, shape.num_heads, shape.head_dim, generator=gen, device=device).to(shape.torch_dtype)
 
     def contiguous(cache: torch.Tensor) -> torch.Tensor:
-        return cache[tables.long()].reshape(batch, context, shape.num_kv_heads, -1).transpose(1, 2).contiguous()
+        positions = cache[tables.long()].reshape(batch, blocks_per_seq * block_size, shape.num_kv_heads, -1)
+        return positions[:, :context].transpose(1, 2).contiguous()
 
     return Case(
         query=query,
@@ -156,6 +172,114 @@ def cpu_candidates(case: Case, block_size: int) -> dict[str, Callable[[], torch.
     }
 
 
+@dataclass(slots=True)
+class EngineRow:
+    case: str
+    ms: dict[str, float]  # per call (per layer for decode)
+    speedup: dict[str, float] = field(default_factory=dict)  # "baseline / paged_cpu": time ratio
+
+
+def torch_path(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """`fn` with the C kernel switched off: the CPU path machines without a compiler run."""
+
+    def run() -> torch.Tensor:
+        with mock.patch.object(native, "supports", return_value=False):
+            return fn()
+
+    return run
+
+
+def engine_decode(shape: Shape) -> EngineRow:
+    layers = [make_case(shape, 111, 290, shape.block_size, "cpu", seed=layer) for layer in range(ENGINE_LAYERS)]
+    plans = [plan_attention(c.block_tables, c.seq_lens, c.query_start_loc, shape.block_size) for c in layers]
+
+    def paged() -> torch.Tensor:
+        for case, plan in zip(layers, plans, strict=True):
+            out = run_planned(case.query, None, None, case.k_cache, case.v_cache, plan, case.scale)
+        return out
+
+    def contiguous() -> torch.Tensor:
+        for case in layers:
+            out = contiguous_decode(case)
+        return out
+
+    candidates = {"paged_cpu": paged, "paged_torch": torch_path(paged), "contiguous_sdpa": contiguous}
+    check_agreement(layers[-1], candidates)
+    ms = {name: t / ENGINE_LAYERS for name, t in time_cpu(candidates, ENGINE_ROUNDS).items()}
+    return EngineRow("decode 111 x 290 (per layer, cold)", ms)
+
+
+def engine_prefill(shape: Shape, q_len: int, seq_len: int) -> EngineRow:
+    """One sequence whose last `q_len` tokens are this step's queries; their K/V are already in the cache,
+    as the engine writes them before attention."""
+    case = make_case(shape, 1, seq_len, shape.block_size, "cpu")
+    gen = torch.Generator().manual_seed(1)
+    query = torch.randn(q_len, shape.num_heads, shape.head_dim, generator=gen).to(shape.torch_dtype)
+    starts = torch.tensor([0, q_len], dtype=torch.int32)
+    plan = plan_attention(case.block_tables, case.seq_lens, starts, shape.block_size)
+    key = case.k_contiguous[0, :, seq_len - q_len :].transpose(0, 1)  # this step's K/V, [q_len, H_kv, D]
+    value = case.v_contiguous[0, :, seq_len - q_len :].transpose(0, 1)
+
+    def paged() -> torch.Tensor:
+        return run_planned(query, key, value, case.k_cache, case.v_cache, plan, case.scale)
+
+    expected = paged_attention(
+        query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, starts, case.scale, backend="reference"
+    )
+    if q_len == seq_len:
+        name, baseline = f"prompt {q_len}", ("sdpa_causal", lambda: causal_sdpa(query, key, value, case.scale))
+    else:
+        name, baseline = f"chunk {q_len} after {seq_len - q_len}", ("paged_torch", torch_path(paged))
+    candidates = {"paged_cpu": paged, baseline[0]: baseline[1]}
+    for label, fn in candidates.items():
+        if not torch.allclose(fn().float(), expected.float(), atol=2e-2, rtol=2e-2):
+            raise AssertionError(f"{label} disagrees with the reference")
+    return EngineRow(name, time_cpu(candidates, ENGINE_ROUNDS))
+
+
+def causal_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    """torch's fused causal kernel, reached only with 4-D inputs."""
+    out = F.scaled_dot_product_attention(
+        query.transpose(0, 1)[None],
+        key.transpose(0, 1)[None],
+        value.transpose(0, 1)[None],
+        is_causal=True,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)
+
+
+def measure_engine_cases(shape: Shape) -> list[EngineRow]:
+    rows = [engine_decode(shape), engine_prefill(shape, 258, 258), engine_prefill(shape, 258, 2048)]
+    for row in rows:
+        for name, t in row.ms.items():
+            if name != "paged_cpu":
+                row.speedup[f"{name} / paged_cpu"] = t / row.ms["paged_cpu"]
+    return rows
+
+
+def format_engine_table(rows: list[EngineRow]) -> str:
+    lines = ["case | paged_cpu ms | baseline | baseline ms | baseline / paged_cpu", "--- | --- | --- | --- | ---"]
+    for row in rows:
+        for name, t in row.ms.items():
+            if name != "paged_cpu":
+                speedup = row.speedup[f"{name} / paged_cpu"]
+                lines.append(f"{row.case} | {row.ms['paged_cpu']:.3f} | {name} | {t:.3f} | {speedup:.2f}x")
+    return "\n".join(lines)
+
+
+def report_engine_cases(shape: Shape, json_path: str | None) -> None:
+    rows = measure_engine_cases(shape)
+    print(f"engine shapes, cpu, {shape}, threads={torch.get_num_threads()}")
+    print(format_engine_table(rows))
+    if json_path:
+        report = {"device": "cpu", "shape": asdict(shape), "threads": torch.get_num_threads()}
+        report["engine"] = [asdict(row) for row in rows]
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=2)
+
+
 def cuda_candidates(case: Case) -> dict[str, Callable[[], torch.Tensor]]:
     from pagedllm.attention import triton_ops
 
@@ -200,12 +324,12 @@ def flash_attn_available() -> bool:
     return True
 
 
-def time_cpu(candidates: dict[str, Callable[[], torch.Tensor]]) -> dict[str, float]:
-    """Best of CPU_ROUNDS alternating runs, in milliseconds."""
+def time_cpu(candidates: dict[str, Callable[[], torch.Tensor]], rounds: int = CPU_ROUNDS) -> dict[str, float]:
+    """Best of `rounds` alternating runs, in milliseconds."""
     best = dict.fromkeys(candidates, float("inf"))
     for fn in candidates.values():
         fn()  # warm-up: page faults, the native kernel's build, thread pools
-    for _ in range(CPU_ROUNDS):
+    for _ in range(rounds):
         for name, fn in candidates.items():
             start = time.perf_counter()
             fn()
@@ -274,6 +398,7 @@ def _cell(values: dict[str, float], name: str, template: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a small grid")
+    parser.add_argument("--engine", action="store_true", help="the engine's decode and prefill shapes (CPU)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     # Defaults: the embedded model's attention (SmolLM2-135M: 9 heads, 3 KV heads, head dim 64).
     parser.add_argument("--heads", type=int, default=9)
@@ -286,6 +411,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     shape = Shape(args.heads, args.kv_heads, args.head_dim, args.block_size, args.dtype)
+    if args.engine:
+        report_engine_cases(shape, args.json)
+        return
     batches, contexts = (QUICK_BATCHES, QUICK_CONTEXTS) if args.quick else (BATCHES, CONTEXTS)
     rows = [measure(shape, batch, context, args.device) for batch in batches for context in contexts]
     print(f"decode attention, {args.device}, {shape}, threads={torch.get_num_threads()}")

@@ -1,5 +1,9 @@
-"""The C decode kernel (csrc/paged_decode.c): built on first use with the system compiler, cached,
+"""The C attention kernels (csrc/paged_attention.c): built on first use with the system compiler, cached,
 and called through ctypes. When no compiler is available the CPU path falls back to torch ops.
+
+One call attends every sequence of a step (decode tokens and prefill chunks) in place through the block
+table. bf16 runs the AVX512-BF16 kernel where the compiler targets it (this machine's `-march=native`)
+and the head dim is a multiple of 32; everything else runs the portable C kernel.
 
 Set PAGEDLLM_NATIVE=0 to disable it (see `pagedllm.native`).
 """
@@ -14,11 +18,13 @@ import torch
 
 from pagedllm import native
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
-_KERNELS = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
-_UNROLLED_HEAD_DIMS = (64, 128)
-_ARGTYPES = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 5 + [ctypes.c_float]
-_ARGTYPES[4] = ctypes.c_int64  # the block table's row stride
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
+_PORTABLE = {torch.bfloat16: "paged_attention_bf16_portable", torch.float32: "paged_attention_f32_portable"}
+_FAST_BF16 = "paged_attention_bf16_avx512"  # only built where the compiler targets AVX512-BF16
+# The C side's limits: MAX_HEAD_DIM, and MAX_ITEM_ROWS query heads per KV head.
+MAX_HEAD_DIM = 256
+MAX_GROUP = 64
+_ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5 + [ctypes.c_float]
 
 
 @cache
@@ -26,53 +32,66 @@ def library() -> ctypes.CDLL | None:
     lib = native.load(SOURCE)
     if lib is None:
         return None
-    for prefix in _KERNELS.values():
-        for suffix in ("d64", "d128", "any"):
-            kernel = getattr(lib, f"{prefix}_{suffix}")
+    for name in (*_PORTABLE.values(), _FAST_BF16):
+        if hasattr(lib, name):
+            kernel = getattr(lib, name)
             kernel.argtypes = _ARGTYPES
             kernel.restype = None
     return lib
 
 
+def has_fast_bf16() -> bool:
+    """Whether the AVX512-BF16 kernel was compiled (the compiler targets a CPU that has it)."""
+    lib = library()
+    return lib is not None and hasattr(lib, _FAST_BF16)
+
+
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return (
         query.device.type == "cpu"
-        and query.dtype in _KERNELS
+        and query.dtype in _PORTABLE
         and k_cache.dtype == query.dtype
         and k_cache.is_contiguous()
-        and query.shape[-1] <= 256
-        and query.shape[1] // k_cache.shape[2] <= 64
+        and query.shape[-1] <= MAX_HEAD_DIM
+        and query.shape[1] // k_cache.shape[2] <= MAX_GROUP
         and library() is not None
     )
 
 
-def paged_decode(
+def kernel_name(dtype: torch.dtype, head_dim: int) -> str:
+    if dtype == torch.bfloat16 and head_dim % 32 == 0 and has_fast_bf16():
+        return _FAST_BF16
+    return _PORTABLE[dtype]
+
+
+def paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
-    token_index: torch.Tensor,
+    query_start_loc: torch.Tensor,
     out: torch.Tensor,
     scale: float,
 ) -> None:
-    """Write into `out[token_index[s]]` the attention of query row `token_index[s]` over the first
-    `seq_lens[s]` positions of sequence s. `block_tables` int32 `[S, *]`, `seq_lens` int32, `token_index` int64."""
+    """Write into `out` (contiguous, like `query`) the causal attention of every sequence's query tokens:
+    token j of sequence s, at position `seq_lens[s] - q_len + j`, over positions 0..that one, where
+    `q_len = query_start_loc[s + 1] - query_start_loc[s]`. The metadata is int32: `block_tables` `[S, *]`
+    (rows contiguous), `seq_lens` `[S]`, `query_start_loc` `[S + 1]`."""
     lib = library()
-    assert lib is not None
+    assert lib is not None and out.is_contiguous()
     query = query.contiguous()
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
-    suffix = f"d{head_dim}" if head_dim in _UNROLLED_HEAD_DIMS else "any"
-    getattr(lib, f"{_KERNELS[query.dtype]}_{suffix}")(
+    getattr(lib, kernel_name(query.dtype, head_dim))(
         query.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         block_tables.data_ptr(),
         block_tables.stride(0),
         seq_lens.data_ptr(),
-        token_index.data_ptr(),
+        query_start_loc.data_ptr(),
         out.data_ptr(),
-        token_index.numel(),
+        seq_lens.numel(),
         query.shape[1],
         num_kv_heads,
         head_dim,

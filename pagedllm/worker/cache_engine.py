@@ -87,7 +87,8 @@ def zeroed(dims: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
         num_bytes *= dim
     if num_bytes == 0:
         return torch.zeros(dims, dtype=dtype)
-    memory = mmap.mmap(-1, num_bytes)
+    # Private: the kernel gives transparent huge pages to private anonymous memory, not to shared.
+    memory = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux only; elsewhere plain pages
         memory.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(memory, dtype=dtype).view(dims)

@@ -1,0 +1,675 @@
+/*
+ * Paged attention on the CPU for every sequence of a step at once: decode tokens (one query each) and
+ * prefill chunks (several queries, causal, maybe after cached tokens), K/V read in place through the
+ * block table (this step's K/V are already in the cache). Query token j of a sequence with q_len
+ * queries and seq_len positions sits at position seq_len - q_len + j and sees positions 0..that one.
+ *
+ * The work is split into items. An item walks its context once, 16 positions (a "chunk") at a time,
+ * with an online softmax: no scores buffer and no second pass over V. Each chunk of K and V is loaded
+ * once for all the item's query rows (its tokens x the query heads of a KV head).
+ *  - A decode token is one item with all its KV heads, so it reads each block whole and in order:
+ *    reading one KV head's third of every row instead reaches 17 GB/s where whole blocks reach 25.
+ *    (When a step makes fewer than two items per thread, its decode tokens are split by KV head.)
+ *  - A prefill chunk is cut into tiles of about ITEM_ROWS query rows of one KV head, so a chunk of K/V
+ *    is reused from L1 by many rows, like a GEMM micro-kernel, and a long prompt makes many items.
+ * Items are sorted by cost and handed out dynamically so that two threads balance mixed lengths.
+ *
+ * Two implementations of an item share this plan:
+ *  - AVX512-BF16 (bf16 caches, head dims that are multiples of 32): vdpbf16ps multiplies bf16 pairs
+ *    and accumulates in float32, so Q.K is exact up to float32 accumulation; probabilities are rounded
+ *    to bf16 for P.V (as torch's own CPU flash attention does). See the section for the data layouts.
+ *  - portable C, for float32 and for machines without AVX512-BF16: the same online softmax on floats.
+ * Both are compiled wherever the compiler can, so the tests run both on an AVX512-BF16 machine.
+ *
+ * Built at first use by pagedllm.native (-O3 -march=native, the safe parts of fast-math) and called
+ * through ctypes from pagedllm.attention.native.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define CHUNK 16
+#define MAX_HEAD_DIM 256
+/* A prefill item holds about this many query rows: enough to amortize loading (and, on the AVX512
+ * path, transposing) a chunk of K/V, small enough that a long prompt still makes many items. */
+#define ITEM_ROWS 48
+#define MAX_ITEM_ROWS 64 /* ITEM_ROWS rounded up to whole tokens, or one token's KV heads' query heads */
+#define LOG2E 1.44269504088896341f
+/* exp2 of anything below this is 0 for our purposes; clamping there keeps 2^n a normal float and
+ * -inf (masked scores, the first chunk's "previous maximum") away from inf - inf. */
+#define EXP2_FLOOR -126.f
+
+/* Query tokens [token_begin, token_end) of sequence `seq` against KV heads [kv_begin, kv_end). */
+typedef struct {
+    int32_t seq, token_begin, token_end, kv_begin, kv_end;
+    int64_t cost;
+} Item;
+
+/* Everything an item needs to know about the batch, passed around as one pointer. */
+typedef struct {
+    const void *query, *k_cache, *v_cache;
+    void *out;
+    const int32_t *block_tables, *seq_lens, *query_start_loc;
+    int64_t table_stride, num_heads, num_kv_heads, head_dim, block_size;
+    float scale_log2e; /* softmax in base 2: exp(x * scale) = exp2(x * scale * log2 e) */
+} Batch;
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Work items                                                                                      */
+
+static int by_cost_descending(const void *a, const void *b) {
+    const int64_t x = ((const Item *)a)->cost, y = ((const Item *)b)->cost;
+    return (x < y) - (x > y);
+}
+
+static inline int64_t q_len_of(const Batch *b, int64_t seq) {
+    return b->query_start_loc[seq + 1] - b->query_start_loc[seq];
+}
+
+static int64_t count_items(const Batch *b, int64_t num_seqs, int64_t tile, int64_t kv_per_decode_item) {
+    int64_t count = 0;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t q_len = q_len_of(b, s);
+        count += q_len == 1 ? (b->num_kv_heads + kv_per_decode_item - 1) / kv_per_decode_item
+                            : (q_len + tile - 1) / tile * b->num_kv_heads;
+    }
+    return count;
+}
+
+/* Items of every sequence, heaviest first: dynamic scheduling then finishes with the small ones. A step
+ * of a few decode tokens alone splits them by KV head, so that every thread has work. */
+static Item *build_items(const Batch *b, int64_t num_seqs, int64_t *num_items) {
+    const int64_t group = b->num_heads / b->num_kv_heads;
+    const int64_t tile = group >= ITEM_ROWS ? 1 : ITEM_ROWS / group;
+    int64_t kv_per_decode_item = MAX_ITEM_ROWS / group;
+    kv_per_decode_item = kv_per_decode_item < b->num_kv_heads ? kv_per_decode_item : b->num_kv_heads;
+    int64_t count = count_items(b, num_seqs, tile, kv_per_decode_item);
+    if (count < 2 * omp_get_max_threads()) {
+        kv_per_decode_item = 1;
+        count = count_items(b, num_seqs, tile, kv_per_decode_item);
+    }
+    Item *items = (Item *)malloc(sizeof(Item) * (count ? count : 1));
+    int64_t n = 0;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t q_len = q_len_of(b, s), kv_step = q_len == 1 ? kv_per_decode_item : 1;
+        for (int64_t t = 0; t < q_len; t += tile) {
+            const int64_t end = t + tile < q_len ? t + tile : q_len;
+            const int64_t chunks = (b->seq_lens[s] - q_len + end - 1) / CHUNK + 1;
+            for (int64_t h = 0; h < b->num_kv_heads; h += kv_step) {
+                const int64_t kv_end = h + kv_step < b->num_kv_heads ? h + kv_step : b->num_kv_heads;
+                items[n++] = (Item){(int32_t)s, (int32_t)t, (int32_t)end, (int32_t)h, (int32_t)kv_end,
+                                    (end - t) * (kv_end - h) * chunks};
+            }
+        }
+    }
+    qsort(items, n, sizeof(Item), by_cost_descending);
+    *num_items = n;
+    return items;
+}
+
+/* Walks an item's context through its block table, CHUNK positions at a time, without a division per
+ * position (block sizes need not be powers of two). */
+typedef struct {
+    const int32_t *table;
+    int64_t position, len, block, offset, block_size, width;
+} Cursor;
+
+static inline Cursor cursor_start(const Batch *b, const Item *it) {
+    return (Cursor){b->block_tables + it->seq * b->table_stride, 0, b->seq_lens[it->seq], 0, 0, b->block_size,
+                    b->num_kv_heads * b->head_dim};
+}
+
+/* The offsets (in elements) of the next CHUNK positions' rows (KV head 0), or -1 past the end. */
+static inline void cursor_next(Cursor *c, int64_t rows[CHUNK]) {
+    for (int p = 0; p < CHUNK; p++) {
+        rows[p] = c->position < c->len ? ((int64_t)c->table[c->block] * c->block_size + c->offset) * c->width : -1;
+        c->position++;
+        if (++c->offset == c->block_size) {
+            c->offset = 0;
+            c->block++;
+        }
+    }
+}
+
+/* Blocks are scattered, so the hardware prefetcher loses the stream at every block boundary: while
+ * one KV head of a chunk is computed, ask for the same KV head's rows of the next two chunks (the next
+ * one's are mostly on their way already; asking again covers the first chunks of an item). Into L2
+ * only (locality 1): the same prefetches into L1, or a whole chunk's KV heads at once, fill the miss
+ * buffers; one chunk ahead, or into L1, made a cold 111 x 290 decode 20-40% slower. */
+static inline void prefetch_rows(const Batch *b, const int64_t rows[CHUNK], int64_t kv_offset, int64_t element_size) {
+    const int64_t bytes = b->head_dim * element_size;
+    for (int p = 0; p < CHUNK && rows[p] >= 0; p++) {
+        const char *k = (const char *)b->k_cache + (rows[p] + kv_offset) * element_size;
+        const char *v = (const char *)b->v_cache + (rows[p] + kv_offset) * element_size;
+        for (int64_t offset = 0; offset < bytes; offset += 64) {
+            __builtin_prefetch(k + offset, 0, 1);
+            __builtin_prefetch(v + offset, 0, 1);
+        }
+    }
+}
+
+/* An item's query rows, KV head by KV head, each KV head's rows token-major (so in position order):
+ * row r is KV head kv_begin + r / rows_per_kv, token token_begin + (r % rows_per_kv) / group, and the
+ * KV head's (r % group)-th query head. */
+static inline int64_t rows_per_kv_head(const Batch *b, const Item *it) {
+    return (int64_t)(it->token_end - it->token_begin) * (b->num_heads / b->num_kv_heads);
+}
+
+static inline int64_t item_rows(const Batch *b, const Item *it) {
+    return rows_per_kv_head(b, it) * (it->kv_end - it->kv_begin);
+}
+
+static inline int64_t query_row_offset(const Batch *b, const Item *it, int64_t r) {
+    const int64_t group = b->num_heads / b->num_kv_heads, per_kv = rows_per_kv_head(b, it);
+    const int64_t token = b->query_start_loc[it->seq] + it->token_begin + r % per_kv / group;
+    const int64_t head = (it->kv_begin + r / per_kv) * group + r % group;
+    return (token * b->num_heads + head) * b->head_dim;
+}
+
+/* The position of query row r: it sees positions 0..this one. */
+static inline int64_t query_row_position(const Batch *b, const Item *it, int64_t r) {
+    const int64_t group = b->num_heads / b->num_kv_heads;
+    return b->seq_lens[it->seq] - q_len_of(b, it->seq) + it->token_begin + r % rows_per_kv_head(b, it) / group;
+}
+
+static inline int64_t item_chunks(const Batch *b, const Item *it) {
+    return (b->seq_lens[it->seq] - q_len_of(b, it->seq) + it->token_end - 1) / CHUNK + 1;
+}
+
+/* Runs `attend_item` on every item, two threads (or OMP_NUM_THREADS) pulling from the sorted list. */
+typedef void (*ItemFn)(const Batch *b, const Item *it);
+
+static void run_items(const Batch *b, int64_t num_seqs, ItemFn attend_item) {
+    int64_t num_items;
+    Item *items = build_items(b, num_seqs, &num_items);
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t i = 0; i < num_items; i++) attend_item(b, &items[i]);
+    free(items);
+}
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Portable C: float32, and bf16 where AVX512-BF16 is missing                                       */
+
+static inline float bf16_to_float(uint16_t bits) {
+    uint32_t wide = (uint32_t)bits << 16;
+    float out;
+    memcpy(&out, &wide, sizeof out);
+    return out;
+}
+
+static inline uint16_t float_to_bf16(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* keep NaN a NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);                                            /* round to nearest even */
+    return (uint16_t)(bits >> 16);
+}
+
+/* 2^x for x <= 0, written so that the compiler vectorizes it (glibc's exp2f is not vectorized here):
+ * 2^n * 2^f with a degree-6 polynomial for 2^f, f in [-0.5, 0.5]; relative error about 2e-7. */
+static inline float exp2_nonpositive(float x) {
+    x = x < EXP2_FLOOR ? EXP2_FLOOR : x;
+    const float n = __builtin_roundf(x);
+    const float f = x - n;
+    float p = 1.535336188319500e-4f;
+    p = p * f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* One chunk for one query row: scores of its `n` visible positions (key and value rows `stride` floats
+ * apart), then the online-softmax update of the row's running maximum `m`, sum `l` and output `o`. */
+static inline __attribute__((always_inline)) void portable_row_chunk(const float *restrict q, const float *keys,
+                                                                     const float *values, int64_t stride, int64_t n,
+                                                                     int64_t head_dim, float scale_log2e,
+                                                                     float *restrict m, float *restrict l,
+                                                                     float *restrict o) {
+    float s[CHUNK], w[CHUNK], top = -INFINITY, total = 0.f;
+    for (int64_t p = 0; p < n; p++) {
+        const float *k = keys + p * stride;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < head_dim; d++) dot += q[d] * k[d];
+        s[p] = dot * scale_log2e;
+        top = s[p] > top ? s[p] : top;
+    }
+    if (top > *m) {
+        const float alpha = exp2_nonpositive(*m - top);
+        *l *= alpha;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; d++) o[d] *= alpha;
+        *m = top;
+    }
+    const float shift = *m;
+#pragma omp simd reduction(+ : total)
+    for (int64_t p = 0; p < n; p++) {
+        w[p] = exp2_nonpositive(s[p] - shift);
+        total += w[p];
+    }
+    *l += total;
+    for (int64_t p = 0; p < n; p++) {
+        const float *v = values + p * stride;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; d++) o[d] += w[p] * v[d];
+    }
+}
+
+/* One item for a cache element type T. The query rows are widened to float once per item. A chunk of
+ * float32 K/V inside one block is read in place; anything else (bf16, or a chunk across blocks) is
+ * first copied into float rows. A constant head_dim (64, 128) lets the compiler unroll. */
+#define DEFINE_PORTABLE_ITEM(NAME, T, TO_FLOAT, FROM_FLOAT)                                                   \
+    static inline __attribute__((always_inline)) void NAME##_at(const Batch *b, const Item *it,               \
+                                                                 int64_t head_dim) {                          \
+        const T *k_cache = (const T *)b->k_cache, *v_cache = (const T *)b->v_cache;                           \
+        const int64_t rows = item_rows(b, it), per_kv = rows_per_kv_head(b, it);                              \
+        const int in_place = sizeof(T) == sizeof(float) && b->block_size % CHUNK == 0;                       \
+        float q[MAX_ITEM_ROWS * MAX_HEAD_DIM], o[MAX_ITEM_ROWS * MAX_HEAD_DIM], m[MAX_ITEM_ROWS];             \
+        float l[MAX_ITEM_ROWS], key_rows[CHUNK * MAX_HEAD_DIM], value_rows[CHUNK * MAX_HEAD_DIM];             \
+        int64_t position[MAX_ITEM_ROWS], offsets[CHUNK], next[CHUNK], after_next[CHUNK];                      \
+        for (int64_t r = 0; r < rows; r++) {                                                                  \
+            const T *q_row = (const T *)b->query + query_row_offset(b, it, r);                                \
+            for (int64_t d = 0; d < head_dim; d++) {                                                          \
+                q[r * head_dim + d] = TO_FLOAT(q_row[d]);                                                     \
+                o[r * head_dim + d] = 0.f;                                                                    \
+            }                                                                                                 \
+            m[r] = -INFINITY;                                                                                 \
+            l[r] = 0.f;                                                                                       \
+            position[r] = query_row_position(b, it, r);                                                       \
+        }                                                                                                     \
+        const int64_t num_chunks = item_chunks(b, it);                                                        \
+        Cursor cursor = cursor_start(b, it);                                                                  \
+        cursor_next(&cursor, next);                                                                           \
+        cursor_next(&cursor, after_next);                                                                     \
+        for (int64_t chunk = 0; chunk < num_chunks; chunk++) {                                                \
+            memcpy(offsets, next, sizeof offsets);                                                            \
+            memcpy(next, after_next, sizeof next);                                                            \
+            cursor_next(&cursor, after_next);                                                                 \
+            for (int64_t kv = 0; kv < it->kv_end - it->kv_begin; kv++) {                                      \
+                const int64_t kv_offset = (it->kv_begin + kv) * head_dim;                                     \
+                prefetch_rows(b, next, kv_offset, sizeof(T));                                                 \
+                prefetch_rows(b, after_next, kv_offset, sizeof(T));                                           \
+                const float *keys = key_rows, *values = value_rows;                                           \
+                int64_t stride = head_dim;                                                                    \
+                if (in_place) {                                                                               \
+                    keys = (const float *)(k_cache + offsets[0] + kv_offset);                                 \
+                    values = (const float *)(v_cache + offsets[0] + kv_offset);                               \
+                    stride = b->num_kv_heads * head_dim;                                                      \
+                } else {                                                                                      \
+                    for (int64_t p = 0; p < CHUNK && offsets[p] >= 0; p++) {                                  \
+                        for (int64_t d = 0; d < head_dim; d++) {                                              \
+                            key_rows[p * head_dim + d] = TO_FLOAT(k_cache[offsets[p] + kv_offset + d]);       \
+                            value_rows[p * head_dim + d] = TO_FLOAT(v_cache[offsets[p] + kv_offset + d]);     \
+                        }                                                                                     \
+                    }                                                                                         \
+                }                                                                                             \
+                for (int64_t r = kv * per_kv; r < (kv + 1) * per_kv; r++) {                                   \
+                    const int64_t visible = position[r] - chunk * CHUNK + 1;                                  \
+                    if (visible <= 0) continue;                                                               \
+                    portable_row_chunk(q + r * head_dim, keys, values, stride, visible < CHUNK ? visible : CHUNK, \
+                                       head_dim, b->scale_log2e, &m[r], &l[r], o + r * head_dim);             \
+                }                                                                                             \
+            }                                                                                                 \
+        }                                                                                                     \
+        for (int64_t r = 0; r < rows; r++) {                                                                  \
+            T *out_row = (T *)b->out + query_row_offset(b, it, r);                                            \
+            const float inv = 1.f / l[r];                                                                     \
+            for (int64_t d = 0; d < head_dim; d++) out_row[d] = FROM_FLOAT(o[r * head_dim + d] * inv);        \
+        }                                                                                                     \
+    }                                                                                                         \
+                                                                                                              \
+    static void NAME(const Batch *b, const Item *it) {                                                        \
+        switch (b->head_dim) {                                                                                \
+        case 64: NAME##_at(b, it, 64); break;                                                                 \
+        case 128: NAME##_at(b, it, 128); break;                                                               \
+        default: NAME##_at(b, it, b->head_dim);                                                               \
+        }                                                                                                     \
+    }
+
+static inline float f32_identity(float x) { return x; }
+
+DEFINE_PORTABLE_ITEM(portable_item_f32, float, f32_identity, f32_identity)
+DEFINE_PORTABLE_ITEM(portable_item_bf16, uint16_t, bf16_to_float, float_to_bf16)
+
+/* ---------------------------------------------------------------------------------------------- */
+/* AVX512-BF16                                                                                      */
+/*
+ * vdpbf16ps multiplies 32 bf16 pairs and adds each pair's two products into one of 16 float32 lanes.
+ *  - Q.K, few rows per KV head (decode, up to DIRECT_ROWS): each position's dot is accumulated over
+ *    the head dim in its own register straight from the cache, then 16 positions' registers are summed
+ *    lane-wise in one transpose-reduce tree (46 instructions instead of 16 horizontal sums).
+ *  - Q.K, many rows (prefill tiles): the chunk's keys are transposed once so that lane p of keys[i]
+ *    holds dims (2i, 2i+1) of position p; a broadcast query pair then gives 16 positions' partial dots
+ *    in one instruction, and the transpose is shared by all the tile's rows.
+ *  - P.V: two positions' value rows are interleaved (unpacklo/hi) so that a broadcast pair of bf16
+ *    probabilities accumulates both positions into 16 output dims. unpacklo/hi work within 128-bit
+ *    lanes, so the output dims come out permuted; `store_row` restores them once per row.
+ */
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+
+#define FAST 1
+#define DIRECT_ROWS 4 /* up to this many rows per KV head, the transpose costs more than it saves */
+#define TILE_ROWS 4   /* query rows per register tile: 4 x (head_dim / 16, at most 4) accumulators */
+
+static const uint16_t ZERO_ROW[MAX_HEAD_DIM] __attribute__((aligned(64)));
+
+/* Running state of one query row: maximum and per-lane sums in base 2, and the output (dims permuted). */
+typedef struct {
+    float m;
+    float l[CHUNK];
+    float o[MAX_HEAD_DIM];
+} RowState;
+
+static inline __m512 dpbf16(__m512 acc, __m512i a, __m512i b) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+}
+
+static inline __m512i broadcast_pair(const uint16_t *pairs, int64_t index) {
+    int32_t bits;
+    memcpy(&bits, pairs + 2 * index, sizeof bits);
+    return _mm512_set1_epi32(bits);
+}
+
+/* Lane p of the result is the sum of the 16 lanes of v[p]. Each round halves the vectors: two inputs'
+ * halves are blended into one and the other halves shuffled into another, and the two are added. */
+static inline __m512 sum_lanes16(const __m512 v[16]) {
+    /* Halves of 512 bits: u[i] lanes 0..7 sum v[i]; lanes 8..15 sum v[i + 8]. */
+    __m512 u[8], w[4], z[2];
+    for (int i = 0; i < 8; i++) {
+        const __m512 kept = _mm512_mask_blend_ps(0xff00, v[i], v[i + 8]);
+        u[i] = _mm512_add_ps(kept, _mm512_shuffle_f32x4(v[i], v[i + 8], 0x4e));
+    }
+    /* Quarters: 128-bit lane L of w[i] sums position i + 4L. */
+    const __m512i swap = _mm512_setr_epi32(4, 5, 6, 7, 16, 17, 18, 19, 12, 13, 14, 15, 24, 25, 26, 27);
+    for (int i = 0; i < 4; i++) {
+        const __m512 kept = _mm512_mask_blend_ps(0xf0f0, u[i], u[i + 4]);
+        w[i] = _mm512_add_ps(kept, _mm512_permutex2var_ps(u[i], swap, u[i + 4]));
+    }
+    /* Pairs: lanes 0-1 of 128-bit lane L of z[i] sum position i + 4L, lanes 2-3 position i + 2 + 4L. */
+    for (int i = 0; i < 2; i++) {
+        const __m512 kept = _mm512_mask_blend_ps(0xcccc, w[i], w[i + 2]);
+        z[i] = _mm512_add_ps(kept, _mm512_shuffle_ps(w[i], w[i + 2], 0x4e));
+    }
+    /* Singles: lanes 4L..4L+3 sum positions 4L..4L+3, from z[0] (even ones) and z[1] (odd ones). */
+    const __m512 crossed = _mm512_permute_ps(_mm512_mask_blend_ps(0xaaaa, z[1], z[0]), 0xb1);
+    return _mm512_add_ps(_mm512_mask_blend_ps(0xaaaa, z[0], z[1]), crossed);
+}
+
+/* Scores of one row against the chunk's 16 key rows, read in place. */
+static inline __attribute__((always_inline)) __m512 scores_direct(const uint16_t *q, const uint16_t *const *k_rows,
+                                                                  int64_t head_dim) {
+    __m512i qv[MAX_HEAD_DIM / 32];
+    __m512 dots[CHUNK];
+    for (int64_t j = 0; j < head_dim / 32; j++) qv[j] = _mm512_loadu_si512(q + 32 * j);
+#pragma GCC unroll 16
+    for (int p = 0; p < CHUNK; p++) {
+        dots[p] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < head_dim / 32; j++)
+            dots[p] = dpbf16(dots[p], qv[j], _mm512_loadu_si512(k_rows[p] + 32 * j));
+    }
+    return sum_lanes16(dots);
+}
+
+/* Transposes 16 rows of 16 dwords in four rounds of two-input shuffles (the usual 16x16 transpose). */
+static inline __attribute__((always_inline)) void transpose16(__m512i a[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(a[i], a[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(a[i], a[i + 1]);
+    }
+    /* u[g + j] holds, in each 128-bit lane L, column 4L + j of rows g..g+3. */
+    for (int g = 0; g < 16; g += 4) {
+        u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+        u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+        u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+        u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+    }
+    /* t[h + j] (j < 8): 128-bit lanes (column j, rows h..h+3), (column j + 8, same rows),
+     * (column j, rows h+4..h+7), (column j + 8, same rows). */
+    for (int h = 0; h < 16; h += 8) {
+        for (int j = 0; j < 4; j++) {
+            t[h + j] = _mm512_shuffle_i32x4(u[h + j], u[h + 4 + j], 0x88);
+            t[h + 4 + j] = _mm512_shuffle_i32x4(u[h + j], u[h + 4 + j], 0xdd);
+        }
+    }
+    for (int j = 0; j < 8; j++) {
+        a[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);
+        a[j + 8] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xdd);
+    }
+}
+
+/* 32 dims of two positions' value rows as bf16 pairs (even, odd), in the permuted dim order of the
+ * section's comment: `lo` holds dims 0-3, 8-11, 16-19, 24-27 and `hi` the others. */
+static inline void interleave(const uint16_t *even_row, const uint16_t *odd_row, __m512i *lo, __m512i *hi) {
+    const __m512i even = _mm512_loadu_si512(even_row), odd = _mm512_loadu_si512(odd_row);
+    *lo = _mm512_unpacklo_epi16(even, odd);
+    *hi = _mm512_unpackhi_epi16(even, odd);
+}
+
+/* The chunk's keys transposed and its values interleaved once, for the many rows of a prefill tile. */
+static inline __attribute__((always_inline)) void pack_chunk(const uint16_t *const *k_rows,
+                                                             const uint16_t *const *v_rows, int64_t head_dim,
+                                                             __m512i *keys, __m512i *values) {
+    for (int64_t j = 0; j < head_dim / 32; j++) {
+        __m512i a[CHUNK];
+        for (int p = 0; p < CHUNK; p++) a[p] = _mm512_loadu_si512(k_rows[p] + 32 * j);
+        transpose16(a);
+        for (int i = 0; i < 16; i++) keys[16 * j + i] = a[i];
+    }
+    for (int k = 0; k < CHUNK / 2; k++)
+        for (int64_t j = 0; j < head_dim / 32; j++)
+            interleave(v_rows[2 * k] + 32 * j, v_rows[2 * k + 1] + 32 * j, &values[k * (head_dim / 16) + 2 * j],
+                       &values[k * (head_dim / 16) + 2 * j + 1]);
+}
+
+/* 2^x lane-wise for x <= 0 (see exp2_nonpositive); scalef does the 2^n without integer tricks. */
+static inline __m512 exp2_nonpositive_avx512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(EXP2_FLOOR));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* The online-softmax step of one row: masks the positions it does not see, rescales its sum, rounds
+ * the probabilities to bf16 into `weights` and returns the factor its output must be rescaled by.
+ * The rounded probabilities are the ones summed, so the weights still add up to exactly 1. */
+static inline __m512 softmax_step(__m512 dots, int64_t visible, float scale_log2e, RowState *state,
+                                  uint16_t weights[CHUNK]) {
+    const __mmask16 valid = visible >= CHUNK ? 0xffff : visible <= 0 ? 0 : (__mmask16)((1u << visible) - 1u);
+    const __m512 s = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid, dots, _mm512_set1_ps(scale_log2e));
+    const float top = _mm512_reduce_max_ps(s);
+    __m512 alpha = _mm512_set1_ps(1.f);
+    if (top > state->m) {
+        alpha = exp2_nonpositive_avx512(_mm512_set1_ps(state->m - top));
+        state->m = top;
+    }
+    const __m512 p = _mm512_maskz_mov_ps(valid, exp2_nonpositive_avx512(_mm512_sub_ps(s, _mm512_set1_ps(state->m))));
+    const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(p);
+    _mm256_storeu_si256((__m256i *)weights, rounded);
+    const __m512 widened = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16));
+    _mm512_storeu_ps(state->l, _mm512_fmadd_ps(_mm512_loadu_ps(state->l), alpha, widened));
+    return alpha;
+}
+
+/* R query rows (a constant after inlining, so the accumulators stay in registers) against one chunk:
+ * `k_rows`/`v_rows` are the chunk's 16 rows of one KV head (ZERO_ROW past the end: 0 x stale NaN would
+ * be NaN); `keys`/`values` their transposed/interleaved copies (see pack_chunk), or NULL to work from
+ * the rows directly; `visible[r]` is how many positions row r sees. */
+static inline __attribute__((always_inline)) void rows_chunk(const uint16_t *const *q, RowState *const *state,
+                                                             const int64_t *visible, const uint16_t *const *k_rows,
+                                                             const uint16_t *const *v_rows, const __m512i *keys,
+                                                             const __m512i *values, float scale_log2e, int R,
+                                                             int64_t head_dim) {
+    __m512 dots[TILE_ROWS], alpha[TILE_ROWS];
+    uint16_t weights[TILE_ROWS][CHUNK];
+    if (keys == NULL) {
+        for (int r = 0; r < R; r++) dots[r] = scores_direct(q[r], k_rows, head_dim);
+    } else {
+        /* Two accumulators per row hide the instruction's latency. */
+        __m512 even[TILE_ROWS], odd[TILE_ROWS];
+        for (int r = 0; r < R; r++) even[r] = odd[r] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+        for (int64_t i = 0; i < head_dim / 2; i += 2) {
+            for (int r = 0; r < R; r++) {
+                even[r] = dpbf16(even[r], broadcast_pair(q[r], i), keys[i]);
+                odd[r] = dpbf16(odd[r], broadcast_pair(q[r], i + 1), keys[i + 1]);
+            }
+        }
+        for (int r = 0; r < R; r++) dots[r] = _mm512_add_ps(even[r], odd[r]);
+    }
+    for (int r = 0; r < R; r++) alpha[r] = softmax_step(dots[r], visible[r], scale_log2e, state[r], weights[r]);
+    /* P.V, 64 output dims at a time. */
+    for (int64_t c0 = 0; c0 < head_dim / 16; c0 += 4) {
+        const int64_t cols = head_dim / 16 - c0 < 4 ? head_dim / 16 - c0 : 4;
+        __m512 acc[TILE_ROWS][4];
+        for (int r = 0; r < R; r++)
+            for (int64_t c = 0; c < cols; c++)
+                acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(state[r]->o + 16 * (c0 + c)), alpha[r]);
+#pragma GCC unroll 8
+        for (int k = 0; k < CHUNK / 2; k++) {
+            for (int64_t c = 0; c < cols; c += 2) {
+                __m512i lo, hi;
+                if (values == NULL) {
+                    interleave(v_rows[2 * k] + 16 * (c0 + c), v_rows[2 * k + 1] + 16 * (c0 + c), &lo, &hi);
+                } else {
+                    lo = values[k * (head_dim / 16) + c0 + c];
+                    hi = values[k * (head_dim / 16) + c0 + c + 1];
+                }
+                for (int r = 0; r < R; r++) {
+                    acc[r][c] = dpbf16(acc[r][c], broadcast_pair(weights[r], k), lo);
+                    acc[r][c + 1] = dpbf16(acc[r][c + 1], broadcast_pair(weights[r], k), hi);
+                }
+            }
+        }
+        for (int r = 0; r < R; r++)
+            for (int64_t c = 0; c < cols; c++) _mm512_storeu_ps(state[r]->o + 16 * (c0 + c), acc[r][c]);
+    }
+}
+
+/* Rows [begin, end) of one KV head against one chunk, in register tiles of up to TILE_ROWS. */
+static inline __attribute__((always_inline)) void kv_head_chunk(const uint16_t *const *q, RowState *state,
+                                                                const int64_t *position, int64_t begin, int64_t end,
+                                                                int64_t chunk, const uint16_t *const *k_rows,
+                                                                const uint16_t *const *v_rows, float scale_log2e,
+                                                                int64_t head_dim) {
+    __m512i packed_keys[MAX_HEAD_DIM / 2], packed_values[CHUNK / 2 * MAX_HEAD_DIM / 16];
+    const __m512i *keys = NULL, *values = NULL;
+    if (end - begin > DIRECT_ROWS) {
+        pack_chunk(k_rows, v_rows, head_dim, packed_keys, packed_values);
+        keys = packed_keys;
+        values = packed_values;
+    }
+    for (int64_t r0 = begin; r0 < end; r0 += TILE_ROWS) {
+        const int64_t n = end - r0 < TILE_ROWS ? end - r0 : TILE_ROWS;
+        if (position[r0 + n - 1] < chunk * CHUNK) continue; /* the causal mask hides the whole chunk */
+        RowState *tile[TILE_ROWS];
+        int64_t visible[TILE_ROWS];
+        for (int64_t i = 0; i < n; i++) {
+            tile[i] = &state[r0 + i];
+            visible[i] = position[r0 + i] - chunk * CHUNK + 1;
+        }
+        switch (n) {
+        case 4: rows_chunk(q + r0, tile, visible, k_rows, v_rows, keys, values, scale_log2e, 4, head_dim); break;
+        case 3: rows_chunk(q + r0, tile, visible, k_rows, v_rows, keys, values, scale_log2e, 3, head_dim); break;
+        case 2: rows_chunk(q + r0, tile, visible, k_rows, v_rows, keys, values, scale_log2e, 2, head_dim); break;
+        default: rows_chunk(q + r0, tile, visible, k_rows, v_rows, keys, values, scale_log2e, 1, head_dim);
+        }
+    }
+}
+
+/* Output dims of a 32-dim column in the order P.V left them (see the section's comment): the lanes of
+ * (lo, hi) that hold dims 0..15, then those that hold 16..31. */
+static inline void store_row(const RowState *state, int64_t head_dim, uint16_t *out) {
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_loadu_ps(state->l)));
+    for (int64_t j = 0; j < head_dim / 32; j++) {
+        const __m512 lo = _mm512_loadu_ps(state->o + 32 * j), hi = _mm512_loadu_ps(state->o + 32 * j + 16);
+        const __m512 low_dims = _mm512_mul_ps(_mm512_permutex2var_ps(lo, first, hi), inv);
+        const __m512 high_dims = _mm512_mul_ps(_mm512_permutex2var_ps(lo, second, hi), inv);
+        _mm512_storeu_si512(out + 32 * j, (__m512i)_mm512_cvtne2ps_pbh(high_dims, low_dims));
+    }
+}
+
+static inline __attribute__((always_inline)) void fast_item_at(const Batch *b, const Item *it, int64_t head_dim) {
+    const uint16_t *k_cache = (const uint16_t *)b->k_cache, *v_cache = (const uint16_t *)b->v_cache;
+    const int64_t rows = item_rows(b, it), per_kv = rows_per_kv_head(b, it), num_chunks = item_chunks(b, it);
+    RowState state[MAX_ITEM_ROWS];
+    const uint16_t *q[MAX_ITEM_ROWS];
+    int64_t position[MAX_ITEM_ROWS], offsets[CHUNK], next[CHUNK], after_next[CHUNK];
+    for (int64_t r = 0; r < rows; r++) {
+        q[r] = (const uint16_t *)b->query + query_row_offset(b, it, r);
+        position[r] = query_row_position(b, it, r);
+        state[r].m = -INFINITY;
+        memset(state[r].l, 0, sizeof state[r].l);
+        memset(state[r].o, 0, sizeof(float) * head_dim);
+    }
+    Cursor cursor = cursor_start(b, it);
+    cursor_next(&cursor, next);
+    cursor_next(&cursor, after_next);
+    for (int64_t chunk = 0; chunk < num_chunks; chunk++) {
+        memcpy(offsets, next, sizeof offsets);
+        memcpy(next, after_next, sizeof next);
+        cursor_next(&cursor, after_next);
+        for (int64_t kv = 0; kv < it->kv_end - it->kv_begin; kv++) {
+            const int64_t kv_offset = (it->kv_begin + kv) * head_dim;
+            prefetch_rows(b, next, kv_offset, sizeof(uint16_t));
+            prefetch_rows(b, after_next, kv_offset, sizeof(uint16_t));
+            const uint16_t *k_rows[CHUNK], *v_rows[CHUNK];
+            for (int p = 0; p < CHUNK; p++) {
+                k_rows[p] = offsets[p] >= 0 ? k_cache + offsets[p] + kv_offset : ZERO_ROW;
+                v_rows[p] = offsets[p] >= 0 ? v_cache + offsets[p] + kv_offset : ZERO_ROW;
+            }
+            kv_head_chunk(q, state, position, kv * per_kv, (kv + 1) * per_kv, chunk, k_rows, v_rows, b->scale_log2e,
+                          head_dim);
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) store_row(&state[r], head_dim, (uint16_t *)b->out + query_row_offset(b, it, r));
+}
+
+static void fast_item(const Batch *b, const Item *it) {
+    switch (b->head_dim) {
+    case 64: fast_item_at(b, it, 64); break;
+    case 128: fast_item_at(b, it, 128); break;
+    default: fast_item_at(b, it, b->head_dim); /* any multiple of 32 up to MAX_HEAD_DIM */
+    }
+}
+#endif
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Entry points                                                                                     */
+
+/* `query`/`out` [tokens, num_heads, head_dim] contiguous; caches [blocks, block_size, num_kv_heads,
+ * head_dim] contiguous; `block_tables` int32 rows of `table_stride`; `seq_lens` int32 [num_seqs];
+ * `query_start_loc` int32 [num_seqs + 1]. Sequences with no query tokens are skipped. */
+#define DEFINE_ENTRY(NAME, ITEM_FN)                                                                             \
+    void NAME(const void *query, const void *k_cache, const void *v_cache, const int32_t *block_tables,         \
+              int64_t table_stride, const int32_t *seq_lens, const int32_t *query_start_loc, void *out,         \
+              int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,  \
+              float scale) {                                                                                    \
+        const Batch b = {query,        k_cache,   v_cache,      out,      block_tables, seq_lens, query_start_loc, \
+                         table_stride, num_heads, num_kv_heads, head_dim, block_size,   scale * LOG2E};          \
+        run_items(&b, num_seqs, ITEM_FN);                                                                       \
+    }
+
+DEFINE_ENTRY(paged_attention_f32_portable, portable_item_f32)
+DEFINE_ENTRY(paged_attention_bf16_portable, portable_item_bf16)
+#ifdef FAST
+DEFINE_ENTRY(paged_attention_bf16_avx512, fast_item)
+#endif
