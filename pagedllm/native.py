@@ -18,6 +18,9 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
+# Headers every source may include (`#include "bf16.h"`); they are part of every library's cache key.
+INCLUDE_DIR = Path(__file__).parent / "csrc"
+
 # The parts of -ffast-math that let reductions vectorize, but not -ffast-math itself: linking with it
 # sets flush-to-zero for the whole process.
 FLAGS = (
@@ -54,7 +57,10 @@ def _build(source: Path) -> Path:
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         raise OSError("no C compiler found")
-    digest = hashlib.sha256(source.read_bytes() + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source.read_bytes() + " ".join((compiler, *FLAGS)).encode())
+    for header in sorted(INCLUDE_DIR.glob("*.h")):
+        key.update(header.read_bytes())
+    digest = key.hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{digest}.so"
     if target.is_file():
         return target
@@ -62,6 +68,7 @@ def _build(source: Path) -> Path:
     # Build beside the target and rename, so concurrent first uses never load a half-written file.
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        subprocess.run([compiler, *FLAGS, str(source), "-o", str(built), "-lm"], check=True, capture_output=True)
+        command = [compiler, *FLAGS, f"-I{INCLUDE_DIR}", str(source), "-o", str(built), "-lm"]
+        subprocess.run(command, check=True, capture_output=True)
         os.replace(built, target)
     return target

@@ -30,6 +30,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define CHUNK 16
 #define MAX_HEAD_DIM 256
 /* A prefill item holds about this many query rows: enough to amortize loading (and, on the AVX512
@@ -191,21 +193,6 @@ static void run_items(const Batch *b, int64_t num_seqs, ItemFn attend_item) {
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Portable C: float32, and bf16 where AVX512-BF16 is missing                                       */
-
-static inline float bf16_to_float(uint16_t bits) {
-    uint32_t wide = (uint32_t)bits << 16;
-    float out;
-    memcpy(&out, &wide, sizeof out);
-    return out;
-}
-
-static inline uint16_t float_to_bf16(float value) {
-    uint32_t bits;
-    memcpy(&bits, &value, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* keep NaN a NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);                                            /* round to nearest even */
-    return (uint16_t)(bits >> 16);
-}
 
 /* 2^x for x <= 0, written so that the compiler vectorizes it (glibc's exp2f is not vectorized here):
  * 2^n * 2^f with a degree-6 polynomial for 2^f, f in [-0.5, 0.5]; relative error about 2e-7. */
