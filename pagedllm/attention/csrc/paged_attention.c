@@ -31,6 +31,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "exp2.h"
 
 #define CHUNK 16
 #define MAX_HEAD_DIM 256
@@ -38,10 +39,6 @@
  * path, transposing) a chunk of K/V, small enough that a long prompt still makes many items. */
 #define ITEM_ROWS 48
 #define MAX_ITEM_ROWS 64 /* ITEM_ROWS rounded up to whole tokens, or one token's KV heads' query heads */
-#define LOG2E 1.44269504088896341f
-/* exp2 of anything below this is 0 for our purposes; clamping there keeps 2^n a normal float and
- * -inf (masked scores, the first chunk's "previous maximum") away from inf - inf. */
-#define EXP2_FLOOR -126.f
 
 /* Query tokens [token_begin, token_end) of sequence `seq` against KV heads [kv_begin, kv_end). */
 typedef struct {
@@ -193,25 +190,6 @@ static void run_items(const Batch *b, int64_t num_seqs, ItemFn attend_item) {
 
 /* ---------------------------------------------------------------------------------------------- */
 /* Portable C: float32, and bf16 where AVX512-BF16 is missing                                       */
-
-/* 2^x for x <= 0, written so that the compiler vectorizes it (glibc's exp2f is not vectorized here):
- * 2^n * 2^f with a degree-6 polynomial for 2^f, f in [-0.5, 0.5]; relative error about 2e-7. */
-static inline float exp2_nonpositive(float x) {
-    x = x < EXP2_FLOOR ? EXP2_FLOOR : x;
-    const float n = __builtin_roundf(x);
-    const float f = x - n;
-    float p = 1.535336188319500e-4f;
-    p = p * f + 1.339887440266574e-3f;
-    p = p * f + 9.618437357674640e-3f;
-    p = p * f + 5.550332471162809e-2f;
-    p = p * f + 2.402264791363012e-1f;
-    p = p * f + 6.931472028550421e-1f;
-    p = p * f + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
 
 /* One chunk for one query row: scores of its `n` visible positions (key and value rows `stride` floats
  * apart), then the online-softmax update of the row's running maximum `m`, sum `l` and output `o`. */

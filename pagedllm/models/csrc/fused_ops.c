@@ -13,31 +13,13 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "exp2.h"
 
 static inline float f32_load(float x) { return x; }
 static inline float f32_store(float x) { return x; }
 
-/* exp for x <= 0, vectorizable (glibc's expf is not, without -ffast-math): 2^n * 2^f with a
- * degree-6 polynomial for 2^f, f in [-0.5, 0.5]; relative error about 2e-7. Below -87 (where exp
- * leaves the normal floats) it is 0. */
-static inline float exp_nonpositive(float x) {
-    const float input = x;
-    x = x < -87.f ? -87.f : x;
-    const float t = x * 1.44269504088896341f;
-    const float n = __builtin_roundf(t);
-    const float f = t - n;
-    float p = 1.535336188319500e-4f;
-    p = p * f + 1.339887440266574e-3f;
-    p = p * f + 9.618437357674640e-3f;
-    p = p * f + 5.550332471162809e-2f;
-    p = p * f + 2.402264791363012e-1f;
-    p = p * f + 6.931472028550421e-1f;
-    p = p * f + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return input < -87.f ? 0.f : p * scale;
-}
+/* exp for x <= 0; 0 below -87, where exp leaves the normal floats (exp2_nonpositive would clamp). */
+static inline float exp_nonpositive(float x) { return x < -87.f ? 0.f : exp2_nonpositive(x * LOG2E); }
 
 /* sigmoid through exp of a non-positive argument only, so it never overflows. */
 static inline float silu(float x) {
