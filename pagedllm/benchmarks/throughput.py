@@ -301,7 +301,8 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
         raise ValueError(f"unknown engine(s) {unknown}; choose from {', '.join(ENGINES)}")
     torch.set_num_threads(args.threads)
     folder = resolve_model_folder(args.model)
-    max_model_len = min(args.max_model_len, ModelConfig.from_folder(folder).max_position_embeddings)
+    model_config = ModelConfig.from_folder(folder)
+    max_model_len = min(args.max_model_len, model_config.max_position_embeddings)
     setup = BenchSetup(
         folder=folder,
         dtype=resolve_dtype(args.dtype),
@@ -312,8 +313,7 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
         hf_batch_size=args.hf_batch_size,
         vllm_python=args.vllm_python,
     )
-    vocab_size = ModelConfig.from_folder(folder).vocab_size
-    workload = make_workload(args.workload, args.num_prompts, vocab_size, max_model_len, args.seed)
+    workload = make_workload(args.workload, args.num_prompts, model_config.vocab_size, max_model_len, args.seed)
     results = run_engines(setup, workload, engines)
     print(format_table(workload, setup, results))
     if args.out is not None:

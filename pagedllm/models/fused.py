@@ -47,7 +47,9 @@ def _kernel(name: str, *tensors: torch.Tensor):
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm of `x`, or with `residual`: `residual += x` in place (rounded to the dtype) and the
     norm of the sum. `x` and `residual` are `[tokens, hidden]`."""
-    kernel = _kernel("rms_norm", x, weight) if residual is None or residual.is_contiguous() else None
+    # The kernel reads `residual` with x's element type and row layout, so it must match both.
+    tensors = (x, weight) if residual is None else (x, weight, residual)
+    kernel = _kernel("rms_norm", *tensors) if residual is None or residual.is_contiguous() else None
     if kernel is None:
         if residual is not None:
             residual.add_(x)
