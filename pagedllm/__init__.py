@@ -2,9 +2,9 @@
 
 from pagedllm.beam_search import BeamSearchParams
 from pagedllm.config import EngineConfig
-from pagedllm.engine import EngineStats, LLMEngine
+from pagedllm.engine import LLMEngine
 from pagedllm.entrypoints.llm import LLM
-from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 __all__ = [

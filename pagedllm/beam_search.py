@@ -8,9 +8,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import torch
-
 from pagedllm.sequence import Sequence
+
+# One beam's best continuations after its last token: (raw log-probability, token id), best first.
+TopLogprobs = list[tuple[float, int]]
 
 
 @dataclass(slots=True)
@@ -50,20 +51,24 @@ class BeamState:
     params: BeamSearchParams
     eos_ids: frozenset[int]
     finished: list[FinishedBeam] = field(default_factory=list)
-    rows: dict[int, torch.Tensor] = field(default_factory=dict)  # seq_id -> logprobs after its last token
+    rows: dict[int, TopLogprobs] = field(default_factory=dict)  # seq_id -> its best 2·width continuations
     steps: int = 0
 
     def ready(self, live: list[Sequence]) -> bool:
         """Every live beam has its next-token distribution (beams may finish a recompute at different steps)."""
         return bool(live) and all(seq.seq_id in self.rows for seq in live)
 
+    @property
+    def num_candidates(self) -> int:
+        """How many continuations of each beam can matter: enough to fill the width after EOS picks."""
+        return 2 * self.params.beam_width
+
     def choose(self, live: list[Sequence]) -> list[Candidate]:
         """The best `beam_width` of each beam's top 2·width continuations; EOS picks finish a beam."""
         width = self.params.beam_width
         candidates = []
         for seq in live:
-            top = self.rows.pop(seq.seq_id).topk(2 * width)
-            for logprob, token in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+            for logprob, token in self.rows.pop(seq.seq_id):
                 candidates.append(Candidate(seq, token, seq.cumulative_logprob + logprob))
         candidates.sort(key=lambda c: c.cumulative_logprob, reverse=True)
         self.steps += 1

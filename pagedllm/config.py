@@ -1,14 +1,19 @@
-"""Engine configuration: one dataclass, validated once, with the defaults a CPU user wants."""
+"""Engine configuration: one dataclass, validated once, with the defaults a CPU user wants. It is the
+only place an engine option is named; `add_dataclass_args` turns any such option list into CLI flags."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
+from typing import Any, get_args, get_origin, get_type_hints
 
 import torch
 
 DEFAULT_KV_CACHE_MEMORY = 4 << 30  # bytes; the same default as vLLM's CPU backend
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+PREEMPTION_MODES = ("recompute", "swap")
+DEVICES = ("cpu", "cuda")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -19,21 +24,32 @@ _DTYPES = {
 }
 
 
+def option(default: object, help: str, **extra: object) -> Any:
+    """A config field with the help text the CLI shows for it (and, in `extra`, e.g. `choices`)."""
+    return field(default=default, metadata={"help": help, **extra})
+
+
 @dataclass(slots=True)
 class EngineConfig:
-    model: str | Path | None = None
-    dtype: str | torch.dtype = "auto"
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory: int | None = None
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    seed: int = 0
-    enable_prefix_caching: bool = True
-    preemption_mode: str = "recompute"
-    swap_space: float = 4.0  # GiB of CPU memory for blocks swapped out (used when preemption_mode="swap")
-    device: str = "cpu"  # "cuda" runs the model and KV cache on the GPU with the Triton kernels
+    """Every engine option, named once: `LLM(**options)`, the CLI flags and the server read this list."""
+
+    model: str | Path | None = option(None, "HF folder or .gguf file (default: the embedded SmolLM2-135M)")
+    dtype: str | torch.dtype = option(
+        "auto", "auto (bfloat16 where the CPU has native bf16, else float32), " + ", ".join(_DTYPES)
+    )
+    block_size: int = option(16, "tokens per KV block")
+    num_kv_blocks: int | None = option(None, "KV blocks in the pool (default: from kv_cache_memory)")
+    kv_cache_memory: int | None = option(None, "bytes of KV cache (default 4 GiB)")
+    max_model_len: int | None = option(None, "longest prompt + output (default: the model's, capped by the pool)")
+    max_num_seqs: int = option(256, "most sequences running at once")
+    max_num_batched_tokens: int | None = option(
+        None, f"most tokens per step; longer prompts prefill in chunks (default {DEFAULT_MAX_NUM_BATCHED_TOKENS})"
+    )
+    seed: int = option(0, "seed of the random generators of unseeded requests")
+    enable_prefix_caching: bool = option(True, "reuse cached prompt blocks")
+    preemption_mode: str = option("recompute", "what preemption does with a request's KV", choices=PREEMPTION_MODES)
+    swap_space: float = option(4.0, "GiB of CPU memory for blocks swapped out (preemption_mode swap)")
+    device: str = option("cpu", "cuda runs the model and KV cache on the GPU with the Triton kernels", choices=DEVICES)
 
     def __post_init__(self) -> None:
         _require_positive("block_size", self.block_size)
@@ -44,12 +60,12 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
             raise ValueError("give num_kv_blocks or kv_cache_memory, not both")
         resolve_dtype(self.dtype)
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' was asked for but torch sees no CUDA device")
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if isinstance(self.swap_space, bool) or not isinstance(self.swap_space, int | float) or self.swap_space < 0:
             raise ValueError(f"swap_space must be a non-negative number of GiB, got {self.swap_space!r}")
 
@@ -80,3 +96,41 @@ def cpu_has_native_bf16() -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, options: type, skip: tuple[str, ...] = ()) -> None:
+    """One flag per field of the dataclass `options`: `--field-name`, typed by its annotation, with its
+    default, and the help, choices and flag name (`flag`) of its metadata."""
+    hints = get_type_hints(options)
+    for spec in fields(options):
+        if spec.name in skip:
+            continue
+        flag = spec.metadata.get("flag", "--" + spec.name.replace("_", "-"))
+        kind = _flag_type(hints[spec.name])
+        extra: dict[str, Any] = {"help": spec.metadata.get("help"), "dest": spec.name}
+        if kind is bool:
+            extra["action"] = argparse.BooleanOptionalAction
+        elif kind is tuple:
+            extra["nargs"] = "+"
+        else:
+            extra["type"] = kind
+        if "choices" in spec.metadata:
+            extra["choices"] = spec.metadata["choices"]
+        default = spec.default if spec.default is not MISSING else None
+        parser.add_argument(flag, default=default, **extra)
+
+
+def option_values(options: type, args: argparse.Namespace) -> dict[str, Any]:
+    """The values of the fields of `options` that `args` holds (the flags `add_dataclass_args` made)."""
+    values = {spec.name: getattr(args, spec.name) for spec in fields(options) if hasattr(args, spec.name)}
+    return {name: tuple(value) if isinstance(value, list) else value for name, value in values.items()}
+
+
+def _flag_type(annotation: Any) -> type:
+    """bool, int, float or tuple where the annotation (less `None`) is one; str for everything else."""
+    kinds = [kind for kind in get_args(annotation) or (annotation,) if kind is not type(None)]
+    origin = [get_origin(kind) or kind for kind in kinds]
+    for kind in (bool, int, float, tuple):
+        if origin == [kind]:
+            return kind
+    return str

@@ -1,4 +1,4 @@
-"""Value objects handed back to callers: one per request, one per sampled sequence."""
+"""Value objects handed back to callers: one per request, one per sampled sequence, and the engine's numbers."""
 
 from __future__ import annotations
 
@@ -40,3 +40,24 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+
+
+@dataclass(slots=True)
+class EngineStats:
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_peak: int
+    kv_utilization: float
+    num_preemptions: int
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_swapped_out_blocks: int
+    num_swap_preemptions: int
+    num_cow_copies: int
+    blocks_saved_by_sharing: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_hit_rate: float
+    num_steps: int
+    step_seconds: dict[str, float] = field(default_factory=dict)

@@ -1,27 +1,40 @@
-"""Iteration-level scheduling: which tokens of which sequences run in this step.
+"""Iteration-level scheduling: which tokens of which sequences run in this step, and everything that
+follows from the step's sampled tokens.
 
 One mechanism for everything (as in vLLM's v1 core): a sequence asks for
 `len(token_ids) - num_computed_tokens` new tokens, capped by the step's token
 budget. A fresh prompt, the next chunk of a long prompt, a recompute after
 preemption and a decode token differ only in that number. Requests (groups of
 sequences: n samples, beams) are admitted, preempted and swapped as a whole.
+
+`schedule()` says what the worker runs; `update()` takes what it returned and does all the
+bookkeeping: computed tokens, prefix-cache registration, forks, beams, stops and freed blocks. The
+scheduler is the only owner of the KV cache manager.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
-from pagedllm.kv.kv_cache_manager import BlockPair, KVCacheManager
-from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
-
-PREEMPTION_MODES = ("recompute", "swap")
+from pagedllm.beam_search import Candidate, FinishedBeam
+from pagedllm.kv.kv_cache_manager import BlockPair, KVCacheManager, blocks_needed
+from pagedllm.outputs import EngineStats, Logprob
+from pagedllm.request import SequenceGroup
+from pagedllm.sequence import Sequence, SequenceFactory, SequenceStatus
+from pagedllm.stopping import StopDecision, length_stop, token_stop
 
 
 @dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
+    block_table: list[int] = field(default_factory=list)  # filled in once the step's allocations are final
+
+    @property
+    def start(self) -> int:
+        """Position of the first new token; the ones before it are in the cache."""
+        return self.seq.num_computed_tokens
 
     @property
     def completes(self) -> bool:
@@ -30,10 +43,22 @@ class ScheduledSeq:
 
 
 @dataclass(slots=True)
+class SampleRow:
+    """One token to pick this step. `logits_row` indexes the completing sequences in scheduled order;
+    parallel samples forked at their first token share their parent's row."""
+
+    seq: Sequence
+    logits_row: int
+    forked_from: Sequence | None = None  # joins the request (sharing the parent's blocks) in `update`
+    num_beam_candidates: int = 0  # a beam: its best continuations are returned instead of a sampled token
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
+    samples: list[SampleRow] = field(default_factory=list)
     preempted: list[SequenceGroup] = field(default_factory=list)
-    # Carried out by the cache engine before the forward pass, in this order: swap_out, copies, swap_in.
+    # Carried out by the worker before the forward pass, in this order: swap_out, copies, swap_in.
     # (Swapping out first keeps a block's content safe when the same step hands the block to someone else.)
     swap_out: list[BlockPair] = field(default_factory=list)
     copies: list[BlockPair] = field(default_factory=list)
@@ -48,27 +73,69 @@ class SchedulerOutput:
         return not (self.scheduled or self.swap_out or self.swap_in)
 
 
+@dataclass(slots=True)
+class RowOutput:
+    """What the worker picked for one `SampleRow`."""
+
+    token_id: int = -1
+    logprobs: dict[int, Logprob] | None = None  # the sampled token and the top `params.logprobs`
+    logprob: float | None = None  # the sampled token's raw log-probability, where the row needs it
+    candidates: list[tuple[float, int]] | None = None  # a beam's best (log-probability, token) continuations
+
+
+@dataclass(slots=True)
+class ModelOutput:
+    rows: list[RowOutput] = field(default_factory=list)  # one per `SchedulerOutput.samples` entry
+
+
+@dataclass(slots=True)
+class NewToken:
+    seq: Sequence
+    logprobs: dict[int, Logprob] | None
+    stop: StopDecision | None  # a stop decided by the token or the length; stop strings come later
+
+
+@dataclass(slots=True)
+class StepUpdate:
+    """What a step changed, for the output processor: tokens appended, and the requests that moved."""
+
+    new_tokens: list[NewToken] = field(default_factory=list)
+    groups: list[SequenceGroup] = field(default_factory=list)
+
+
 class Scheduler:
     def __init__(
         self,
         kv: KVCacheManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        preemption_mode: str = "recompute",
+        preemption_mode: str,
+        sequences: SequenceFactory,
+        eos_ids: frozenset[int],
+        max_model_len: int,
     ) -> None:
-        if preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
+        self.sequences = sequences
+        self.eos_ids = eos_ids
+        self.max_model_len = max_model_len
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []
         self.swapped: deque[SequenceGroup] = deque()
+        self.groups: dict[str, SequenceGroup] = {}  # every unfinished request, by id
         self.num_preemptions = 0
         self.num_swap_preemptions = 0
 
+    def check_fits(self, num_tokens: int) -> None:
+        """Refuse a request that could never run: it needs more blocks than the whole pool."""
+        if not self.kv.can_ever_fit(num_tokens):
+            need = blocks_needed(num_tokens, self.kv.block_size)
+            raise ValueError(f"request needs {need} KV blocks but the whole pool has {self.kv.num_blocks}")
+
     def add(self, group: SequenceGroup) -> None:
+        self.groups[group.request_id] = group
         self.waiting.append(group)
 
     def has_unfinished(self) -> bool:
@@ -86,6 +153,9 @@ class Scheduler:
             # While a request waits swapped out, new prompts wait behind it: no starvation.
             if not self.swapped:
                 self._admit_waiting(out, budget)
+        for item in out.scheduled:
+            item.block_table = self.kv.block_table(item.seq.seq_id)
+        self._plan_samples(out)
         return out
 
     # ---- running requests -------------------------------------------------------------------
@@ -136,11 +206,16 @@ class Scheduler:
             self.swapped.append(group)
             self.num_swap_preemptions += 1
             return
+        self._release(seqs)
+        for seq in seqs:
+            seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(group)
+
+    def _release(self, seqs: list[Sequence]) -> None:
+        """Drop the sequences' KV: they will be computed again from the start."""
         for seq in seqs:
             self.kv.free(seq.seq_id)
             seq.num_computed_tokens = 0
-            seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(group)
 
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
         while self.swapped and budget > 0:
@@ -171,9 +246,7 @@ class Scheduler:
             hits = [self._open(seq) for seq in seqs]
             spent = self._reserve_all(seqs, out, budget)
             if spent is None or not self._has_headroom(len(seqs)):
-                for seq in seqs:
-                    self.kv.free(seq.seq_id)
-                    seq.num_computed_tokens = 0
+                self._release(seqs)
                 del out.scheduled[mark:], out.copies[copies:]
                 return
             for seq, hit in zip(seqs, hits, strict=True):
@@ -208,29 +281,137 @@ class Scheduler:
             spent += num_new
         return spent
 
+    def _plan_samples(self, out: SchedulerOutput) -> None:
+        """One row per sequence whose chunk completes it; a request's parallel samples fork from the
+        sequence that ran the prompt, at its first token, and draw from the same logits row."""
+        completing = [item.seq for item in out.scheduled if item.completes]
+        for row, seq in enumerate(completing):
+            group = self._group_of(seq)
+            if group.beam is not None:
+                out.samples.append(SampleRow(seq, row, num_beam_candidates=group.beam.num_candidates))
+                continue
+            out.samples.append(SampleRow(seq, row))
+            for index in range(1, group.pending_forks + 1):
+                out.samples.append(SampleRow(self.sequences.fork(seq, index), row, forked_from=seq))
+
+    def _group_of(self, seq: Sequence) -> SequenceGroup:
+        return self.groups[seq.request_id]
+
     # ---- after the step ---------------------------------------------------------------------
 
-    def register_computed(self, scheduled: list[ScheduledSeq]) -> None:
-        for item in scheduled:
+    def update(self, out: SchedulerOutput, model_output: ModelOutput) -> StepUpdate:
+        """Account for the step: computed tokens and their cache entries, forks, the picked tokens,
+        beams, and the stops that tokens and lengths decide (finished sequences free their blocks)."""
+        for item in out.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
             self.kv.register_computed(item.seq.seq_id, item.seq.token_ids, item.seq.num_computed_tokens)
+        touched = dict.fromkeys(item.seq.request_id for item in out.scheduled)
+        update = StepUpdate(groups=[self.groups[request_id] for request_id in touched])
+        # Forks first: each child must start from its parent's blocks before anyone appends or finishes.
+        for sample in out.samples:
+            if sample.forked_from is not None:
+                self._join(sample.forked_from, sample.seq)
+        beams: dict[str, SequenceGroup] = {}
+        for sample, row in zip(out.samples, model_output.rows, strict=True):
+            if sample.num_beam_candidates:
+                group = self._group_of(sample.seq)
+                assert group.beam is not None and row.candidates is not None
+                group.beam.rows[sample.seq.seq_id] = row.candidates
+                beams[group.request_id] = group
+            else:
+                update.new_tokens.append(self._append(sample.seq, row))
+        for group in beams.values():
+            self._advance_beams(group)
+        return update
 
-    def fork(self, group: SequenceGroup, parent: Sequence, child: Sequence) -> None:
+    def _join(self, parent: Sequence, child: Sequence) -> None:
+        group = self._group_of(parent)
+        child.num_computed_tokens = parent.num_computed_tokens
         self.kv.fork(parent.seq_id, child.seq_id)
         group.seqs.append(child)
+        group.pending_forks = 0
 
-    def drop(self, group: SequenceGroup, seq: Sequence) -> None:
-        """A sequence that is not continued (a beam nobody chose): its blocks go back at once."""
-        self.finish(seq, SequenceStatus.FINISHED_ABORTED)
-        group.seqs.remove(seq)
+    def _append(self, seq: Sequence, row: RowOutput) -> NewToken:
+        seq.token_ids.append(row.token_id)
+        if row.logprobs is not None:
+            seq.cumulative_logprob += row.logprobs[row.token_id].logprob
+            if seq.logprobs is not None:
+                seq.logprobs.append(row.logprobs)
+        elif row.logprob is not None:
+            seq.cumulative_logprob += row.logprob
+        stop = token_stop(seq, row.token_id, self.eos_ids) or length_stop(seq, self.max_model_len)
+        if stop is not None:
+            seq.stop_reason = stop.reason
+            self.finish(seq, stop.status)
+        return NewToken(seq, row.logprobs, stop)
+
+    def _advance_beams(self, group: SequenceGroup) -> None:
+        state = group.beam
+        assert state is not None
+        live = group.live_seqs()
+        if not state.ready(live):
+            return
+        by_parent: dict[int, list[Candidate]] = defaultdict(list)
+        for candidate in state.choose(live):
+            by_parent[candidate.parent.seq_id].append(candidate)
+        for parent in live:
+            picks = by_parent.get(parent.seq_id, [])
+            if not picks:
+                self.finish(parent, SequenceStatus.FINISHED_ABORTED)  # a beam nobody continues gives its blocks back
+                group.seqs.remove(parent)
+                continue
+            # Fork before appending, so each child starts from the parent's tokens as they were.
+            children = [self.sequences.fork(parent, parent.index) for _ in picks[1:]]
+            for child in children:
+                self.kv.fork(parent.seq_id, child.seq_id)
+                group.seqs.append(child)
+            for member, pick in zip([parent, *children], picks, strict=True):
+                member.token_ids.append(pick.token)
+                member.cumulative_logprob = pick.cumulative_logprob
+        live = group.live_seqs()
+        if not live or state.steps >= state.params.max_tokens or live[0].num_tokens >= self.max_model_len:
+            for seq in live:
+                state.finished.append(FinishedBeam(list(seq.token_ids), seq.cumulative_logprob, False))
+                self.finish(seq, SequenceStatus.FINISHED_LENGTH)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         seq.status = status
         self.kv.free(seq.seq_id)
 
     def remove(self, group: SequenceGroup) -> None:
-        """Take a finished or aborted request out of whichever queue holds it."""
+        """Take a finished or aborted request out of whichever queue holds it; its blocks go back."""
+        self.groups.pop(group.request_id, None)
         for seq in group.seqs:
             self.kv.free(seq.seq_id)
         for queue in (self.running, self.waiting, self.swapped):
             if group in queue:
                 queue.remove(group)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block; refused while any block is in use."""
+        self.kv.reset_prefix_cache()
+
+    # ---- numbers --------------------------------------------------------------------------
+
+    def stats(self, num_steps: int, step_seconds: dict[str, float]) -> EngineStats:
+        pool, kv = self.kv.pool, self.kv
+        queries = kv.prefix_cache_queries
+        return EngineStats(
+            kv_blocks_total=pool.num_blocks,
+            kv_blocks_used=pool.num_used,
+            kv_blocks_peak=pool.peak_used,
+            kv_utilization=kv.utilization(),
+            num_preemptions=self.num_preemptions,
+            num_running=self.num_running_seqs,
+            num_waiting=sum(len(group.live_seqs()) for group in self.waiting),
+            num_swapped=sum(len(group.live_seqs()) for group in self.swapped),
+            num_swapped_out_blocks=kv.cpu_pool.num_used if kv.cpu_pool else 0,
+            num_swap_preemptions=self.num_swap_preemptions,
+            num_cow_copies=kv.num_cow_copies,
+            blocks_saved_by_sharing=kv.blocks_saved_by_sharing(),
+            prefix_cache_queries=queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            prefix_cache_hit_rate=kv.prefix_cache_hits / queries if queries else 0.0,
+            num_steps=num_steps,
+            step_seconds=step_seconds,
+        )

@@ -1,19 +1,17 @@
-"""Per-sequence state that the scheduler and engine share. One prompt with `n` samples has n sequences."""
+"""Per-sequence state that the scheduler, worker and output processor share. One prompt with `n` samples
+has n sequences."""
 
 from __future__ import annotations
 
 import copy
 import enum
+import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from pagedllm.outputs import SampleLogprobs
 from pagedllm.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from pagedllm.beam_search import BeamState
 
 
 class SequenceStatus(enum.Enum):
@@ -94,20 +92,34 @@ class Sequence:
         return child
 
 
-@dataclass(eq=False, slots=True)
-class SequenceGroup:
-    """One request: its sequences (n samples, or beams) are scheduled, preempted and swapped together."""
+class SequenceFactory:
+    """Hands out sequence ids and per-sequence RNGs, to new requests and to forks alike. Each random
+    sequence owns its generator, so a seeded request samples the same tokens whatever shares its batch."""
 
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    seqs: list[Sequence]
-    pending_forks: int = 0  # parallel samples still to fork from the first sequence at its first token
-    beam: BeamState | None = None  # set for beam search requests
+    def __init__(self, seed: int) -> None:
+        self._ids = itertools.count()
+        self._rng = torch.Generator().manual_seed(seed)
 
-    def live_seqs(self) -> list[Sequence]:
-        return [seq for seq in self.seqs if not seq.status.finished]
+    def new(self, request_id: str, token_ids: list[int], params: SamplingParams, max_tokens: int) -> Sequence:
+        return Sequence(
+            seq_id=next(self._ids),
+            request_id=request_id,
+            index=0,
+            token_ids=list(token_ids),
+            num_prompt_tokens=len(token_ids),
+            params=params,
+            max_tokens=max_tokens,
+            generator=self._generator(params, 0),
+            logprobs=[] if params.logprobs is not None else None,
+        )
 
-    @property
-    def finished(self) -> bool:
-        return self.pending_forks == 0 and all(seq.status.finished for seq in self.seqs)
+    def fork(self, parent: Sequence, index: int) -> Sequence:
+        return parent.fork(next(self._ids), index, self._generator(parent.params, index))
+
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        if params.is_greedy:
+            return None
+        seed = params.sample_seed(index)
+        if seed is None:
+            seed = int(torch.randint(2**62, (1,), generator=self._rng))
+        return torch.Generator().manual_seed(seed)

@@ -25,14 +25,15 @@ def greedy(max_tokens: int = 20, **kwargs) -> SamplingParams:
 
 
 def check_accounting(engine: LLMEngine) -> None:
-    kv = engine.kv
+    kv = engine.scheduler.kv
     kv.check_invariants()
     assert kv.pool.num_free + kv.pool.num_used == kv.num_blocks
     for group in engine.scheduler.running:
         for seq in group.live_seqs():
-            assert len(kv.block_tables.get(seq.seq_id, [])) * kv.block_size >= seq.num_computed_tokens
+            held = kv.block_table(seq.seq_id) if kv.holds(seq.seq_id) else []
+            assert len(held) * kv.block_size >= seq.num_computed_tokens
     for group in engine.scheduler.waiting:
-        assert all(seq.seq_id not in kv.block_tables for seq in group.live_seqs())
+        assert not any(kv.holds(seq.seq_id) for seq in group.live_seqs())
 
 
 def test_every_block_accounted_for_after_every_step_with_preemption(tiny_llama):
@@ -45,7 +46,7 @@ def test_every_block_accounted_for_after_every_step_with_preemption(tiny_llama):
         check_accounting(engine)
     assert finished == {str(i) for i in range(8)}
     assert engine.stats().num_preemptions > 0
-    assert engine.kv.pool.num_free == engine.kv.num_blocks
+    assert engine.scheduler.kv.pool.num_free == engine.scheduler.kv.num_blocks
 
 
 def test_utilization_in_a_steady_batch_meets_the_paged_bound(tiny_llama):
@@ -166,13 +167,13 @@ def test_abort_returns_blocks_and_engine_keeps_serving(tiny_llama):
     engine.add_request("b", prompts_of([20])[0], greedy(5))
     engine.step()
     engine.step()
-    assert engine.kv.pool.num_used > 0
+    assert engine.scheduler.kv.pool.num_used > 0
     engine.abort_request("a")
     outputs = []
     while engine.has_unfinished_requests():
         outputs += engine.step()
     assert [o.request_id for o in outputs if o.finished] == ["b"]
-    assert engine.kv.pool.num_used == 0
+    assert engine.scheduler.kv.pool.num_used == 0
 
 
 def test_chat_applies_the_template(llm):

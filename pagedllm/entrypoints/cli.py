@@ -10,29 +10,9 @@ from collections.abc import Iterator
 from pagedllm.benchmarks.memory import add_bench_memory_args, run_bench_memory
 from pagedllm.benchmarks.serve import add_bench_serve_args, run_bench_serve
 from pagedllm.benchmarks.throughput import add_bench_throughput_args, run_bench_throughput
+from pagedllm.config import EngineConfig, add_dataclass_args, option_values
 from pagedllm.entrypoints.llm import LLM, Message
 from pagedllm.sampling_params import SamplingParams
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M)")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="reuse cached prompt blocks",
-    )
-    parser.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
-    parser.add_argument("--swap-space", type=float, default=4.0, help="GiB of CPU swap space for preemption by swap")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -46,21 +26,7 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
 
 
 def build_llm(args: argparse.Namespace) -> LLM:
-    return LLM(
-        model=args.model,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory=args.kv_cache_memory,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        seed=args.seed,
-        enable_prefix_caching=args.enable_prefix_caching,
-        preemption_mode=args.preemption_mode,
-        swap_space=args.swap_space,
-        device=args.device,
-    )
+    return LLM(**option_values(EngineConfig, args))
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -123,33 +89,18 @@ def run_chat(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (not /health, /metrics)")
-    parser.add_argument("--served-model-name", nargs="+", default=None, help="default: the --model argument")
-    parser.add_argument(
-        "--shutdown-grace", type=float, default=5.0, help="seconds in-flight requests get after SIGTERM"
-    )
-    # Test-only: a request whose decoded text contains this string fails inside the engine step.
-    parser.add_argument("--fault-injection-text", default=None, help=argparse.SUPPRESS)
-
-
 def run_serve(args: argparse.Namespace) -> int:
     # Imported here: the web stack costs start-up time that generate and chat need not pay.
-    from pagedllm.entrypoints.openai_server import DEFAULT_SERVED_NAME, ServeOptions, serve
+    from pagedllm.entrypoints.openai.api_server import ServeOptions, serve
 
-    names = args.served_model_name or [args.model or DEFAULT_SERVED_NAME]
-    options = ServeOptions(
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key,
-        served_model_names=tuple(names),
-        shutdown_grace_s=args.shutdown_grace,
-        fault_injection_text=args.fault_injection_text,
-        log_level=args.log_level,
-    )
+    options = ServeOptions(**option_values(ServeOptions, args), log_level=args.log_level)
     return serve(build_llm(args), options)
+
+
+def _serve_options() -> type:
+    from pagedllm.entrypoints.openai.api_server import ServeOptions
+
+    return ServeOptions
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -159,17 +110,17 @@ def make_parser() -> argparse.ArgumentParser:
     generate = commands.add_parser("generate", help="answer one prompt")
     generate.add_argument("prompt")
     generate.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
-    add_engine_args(generate)
+    add_dataclass_args(generate, EngineConfig)
     add_sampling_args(generate, max_tokens=256)
     generate.set_defaults(handler=run_generate)
     chat = commands.add_parser("chat", help="interactive chat, streamed")
     chat.add_argument("--system", default=None, help="system prompt")
-    add_engine_args(chat)
+    add_dataclass_args(chat, EngineConfig)
     add_sampling_args(chat, max_tokens=512)
     chat.set_defaults(handler=run_chat)
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
-    add_serve_args(serve)
-    add_engine_args(serve)
+    add_dataclass_args(serve, _serve_options(), skip=("log_level",))
+    add_dataclass_args(serve, EngineConfig)
     serve.set_defaults(handler=run_serve)
     bench = commands.add_parser("bench", help="benchmarks")
     benchmarks = bench.add_subparsers(dest="benchmark", required=True)

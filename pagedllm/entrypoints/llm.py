@@ -7,51 +7,23 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from functools import partial
 from pathlib import Path
+from typing import Any
 
-import torch
 from tqdm import tqdm
 
 from pagedllm.beam_search import BeamSearchParams
 from pagedllm.config import EngineConfig
-from pagedllm.engine import EngineStats, LLMEngine, PromptInput
-from pagedllm.outputs import RequestOutput
+from pagedllm.engine import LLMEngine, PromptInput
+from pagedllm.outputs import EngineStats, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 Message = dict[str, str]
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str | Path | None = None,
-        dtype: str | torch.dtype = "auto",
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory: int | None = None,
-        max_model_len: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        seed: int = 0,
-        enable_prefix_caching: bool = True,
-        preemption_mode: str = "recompute",
-        swap_space: float = 4.0,
-        device: str = "cpu",
-    ) -> None:
-        config = EngineConfig(
-            model=model,
-            dtype=dtype,
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-            kv_cache_memory=kv_cache_memory,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            seed=seed,
-            enable_prefix_caching=enable_prefix_caching,
-            preemption_mode=preemption_mode,
-            swap_space=swap_space,
-            device=device,
-        )
+    def __init__(self, model: str | Path | None = None, **options: Any) -> None:
+        """`options` are `EngineConfig`'s fields (dtype, block_size, num_kv_blocks, ...)."""
+        config = EngineConfig(model=model, **options)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 

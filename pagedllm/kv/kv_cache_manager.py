@@ -1,10 +1,12 @@
 """Which blocks belong to which sequence: block tables, copy-on-write, forks, prefix caching, swap.
 
 Everything here is bookkeeping over block ids; the copies and swaps it decides are returned as
-(source, destination) pairs that the cache engine carries out on the tensors before the forward pass.
+(source, destination) pairs that the worker carries out on the tensors before the forward pass.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 from pagedllm.kv.block_pool import BlockPool
 from pagedllm.kv.prefix_hash import ROOT_HASH, hash_blocks
@@ -14,6 +16,20 @@ BlockPair = tuple[int, int]
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
+
+
+@dataclass(slots=True)
+class SeqBlocks:
+    """One sequence's hold on the pools, freed as one: its table and what prefix caching knows of it."""
+
+    blocks: list[int] = field(default_factory=list)  # GPU/CPU-pool ids in order; CPU swap ids when swapped
+    num_tokens: int = 0  # tokens whose slots the table holds
+    hashes: list[bytes] = field(default_factory=list)  # chained hashes of its registered full blocks
+    salt: str | None = None
+    swapped: bool = False
+
+    def copy(self) -> SeqBlocks:
+        return SeqBlocks(list(self.blocks), self.num_tokens, list(self.hashes), self.salt, self.swapped)
 
 
 class KVCacheManager:
@@ -26,12 +42,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.cpu_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks else None
-        self.block_tables: dict[int, list[int]] = {}
-        self.swapped_tables: dict[int, list[int]] = {}
-        self._num_tokens: dict[int, int] = {}
-        self._swapped_tokens: dict[int, int] = {}
-        self._hashes: dict[int, list[bytes]] = {}
-        self._salts: dict[int, str | None] = {}
+        self.seqs: dict[int, SeqBlocks] = {}
         self.num_cow_copies = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -48,13 +59,10 @@ class KVCacheManager:
     def start_sequence(self, seq_id: int, token_ids: list[int], salt: str | None) -> int:
         """Open a block table holding the longest cached prefix of `token_ids`; returns the number of
         tokens it covers. Never the last token: its logits must still be computed."""
-        self._salts[seq_id] = salt
         blocks, hashes = self._lookup(token_ids, salt)
         for block in blocks:
             self.pool.take(block)
-        self.block_tables[seq_id] = blocks
-        self._hashes[seq_id] = hashes
-        self._num_tokens[seq_id] = len(blocks) * self.block_size
+        self.seqs[seq_id] = SeqBlocks(blocks, len(blocks) * self.block_size, hashes, salt)
         return len(blocks) * self.block_size
 
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
@@ -81,7 +89,8 @@ class KVCacheManager:
         """Make room to write tokens `num_computed .. num_computed+num_new-1`. The block the first
         of them lands in may be shared (after a fork): it is copied first, and the copy is appended
         to `copies`. False, with nothing changed, if the pool is short."""
-        table = self.block_tables.setdefault(seq_id, [])
+        record = self.seqs.setdefault(seq_id, SeqBlocks())
+        table = record.blocks
         first = num_computed // self.block_size
         shared = first < len(table) and self.pool.ref_counts[table[first]] > 1
         missing = max(blocks_needed(num_computed + num_new, self.block_size) - len(table), 0)
@@ -95,74 +104,91 @@ class KVCacheManager:
             self.num_cow_copies += 1
         if missing:
             table.extend(self.pool.allocate(missing))
-        self._num_tokens[seq_id] = num_computed + num_new
+        record.num_tokens = num_computed + num_new
         return True
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares every block of the parent; the first write into a shared block copies it."""
-        table = self.block_tables[parent_id]
-        for block in table:
+        record = self.seqs[parent_id]
+        for block in record.blocks:
             self.pool.take(block)
-        self.block_tables[child_id] = list(table)
-        self._hashes[child_id] = list(self._hashes.get(parent_id, []))
-        self._salts[child_id] = self._salts.get(parent_id)
-        self._num_tokens[child_id] = self._num_tokens[parent_id]
+        self.seqs[child_id] = record.copy()
 
     def register_computed(self, seq_id: int, token_ids: list[int], num_computed: int) -> None:
         """Make the sequence's newly completed full blocks findable by later prompts."""
-        if not self.enable_prefix_caching or seq_id not in self.block_tables:
+        record = self.seqs.get(seq_id)
+        if not self.enable_prefix_caching or record is None:
             return
-        hashes = self._hashes.setdefault(seq_id, [])
+        hashes = record.hashes
         full = num_computed // self.block_size
         if full <= len(hashes):
             return
         parent = hashes[-1] if hashes else ROOT_HASH
-        new = hash_blocks(token_ids, self.block_size, self._salts.get(seq_id), len(hashes), full, parent)
-        table = self.block_tables[seq_id]
+        new = hash_blocks(token_ids, self.block_size, record.salt, len(hashes), full, parent)
         for index, block_hash in enumerate(new, start=len(hashes)):
-            self.pool.register(table[index], block_hash)
+            self.pool.register(record.blocks[index], block_hash)
         hashes.extend(new)
 
     def free(self, seq_id: int) -> None:
-        table = self.block_tables.pop(seq_id, None)
-        cpu_table = self.swapped_tables.pop(seq_id, None)
-        for store in (self._num_tokens, self._swapped_tokens, self._hashes, self._salts):
-            store.pop(seq_id, None)
-        if table:
-            self.pool.free(table)
-        if cpu_table and self.cpu_pool is not None:
-            self.cpu_pool.free(cpu_table)
+        record = self.seqs.pop(seq_id, None)
+        if record is not None and record.blocks:
+            self._pool_of(record).free(record.blocks)
 
     def block_table(self, seq_id: int) -> list[int]:
-        return self.block_tables[seq_id]
+        return self.seqs[seq_id].blocks
+
+    def holds(self, seq_id: int) -> bool:
+        """Whether the sequence holds blocks in the device pool."""
+        record = self.seqs.get(seq_id)
+        return record is not None and not record.swapped and bool(record.blocks)
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_cache()
+
+    def _pool_of(self, record: SeqBlocks) -> BlockPool:
+        if record.swapped:
+            assert self.cpu_pool is not None
+            return self.cpu_pool
+        return self.pool
 
     # ---- swapping -------------------------------------------------------------------------
 
     def can_swap_out(self, seq_ids: list[int]) -> bool:
         if self.cpu_pool is None:
             return False
-        return len(_distinct(self.block_tables.get(s, []) for s in seq_ids)) <= self.cpu_pool.num_free
+        return len(self._distinct(seq_ids)) <= self.cpu_pool.num_free
 
     def swap_out(self, seq_ids: list[int]) -> list[BlockPair]:
         """Move the blocks of these sequences (shared ones once) to CPU blocks; frees the pool blocks."""
         assert self.cpu_pool is not None
-        moves = _move(self.block_tables, self.swapped_tables, seq_ids, self.pool, self.cpu_pool)
-        for seq_id in seq_ids:
-            self._swapped_tokens[seq_id] = self._num_tokens.pop(seq_id, 0)
-        return moves
+        return self._move(seq_ids, self.pool, self.cpu_pool, swapped=True)
 
     def blocks_to_swap_in(self, seq_ids: list[int]) -> int:
-        return len(_distinct(self.swapped_tables[s] for s in seq_ids))
+        return len(self._distinct(seq_ids))
 
     def swap_in(self, seq_ids: list[int]) -> list[BlockPair]:
         assert self.cpu_pool is not None
-        moves = _move(self.swapped_tables, self.block_tables, seq_ids, self.cpu_pool, self.pool)
-        for seq_id in seq_ids:
-            self._num_tokens[seq_id] = self._swapped_tokens.pop(seq_id, 0)
-        return moves
+        return self._move(seq_ids, self.cpu_pool, self.pool, swapped=False)
+
+    def _distinct(self, seq_ids: list[int]) -> list[int]:
+        return _distinct(self.seqs[s].blocks for s in seq_ids if s in self.seqs)
+
+    def _move(self, seq_ids: list[int], src: BlockPool, dst: BlockPool, swapped: bool) -> list[BlockPair]:
+        """Re-home the tables of `seq_ids` from one pool to the other, each distinct block once."""
+        records = [self.seqs.setdefault(seq_id, SeqBlocks()) for seq_id in seq_ids]
+        distinct = _distinct(record.blocks for record in records)
+        mapping = dict(zip(distinct, dst.allocate(len(distinct)), strict=True))
+        holders = dict.fromkeys(mapping.values(), 0)
+        for record in records:
+            src.free(record.blocks)
+            record.blocks = [mapping[block] for block in record.blocks]
+            record.swapped = swapped
+            for block in record.blocks:
+                holders[block] += 1
+        for block, count in holders.items():  # allocate gave one reference; each further holder takes one more
+            for _ in range(count - 1):
+                dst.take(block)
+        return list(mapping.items())
 
     # ---- numbers --------------------------------------------------------------------------
 
@@ -170,43 +196,25 @@ class KVCacheManager:
         """Tokens stored over the slots of the blocks that hold them: the η of the PagedAttention paper.
         A token in a shared block counts once per sequence that reads it, so sharing can push η above 1."""
         used = self.pool.num_used
-        held = sum(self._num_tokens.values())
+        held = sum(record.num_tokens for record in self.seqs.values() if not record.swapped)
         return held / (used * self.block_size) if used and held else 0.0
 
     def blocks_saved_by_sharing(self) -> int:
-        tables = list(self.block_tables.values())
+        tables = [record.blocks for record in self.seqs.values() if not record.swapped]
         return sum(len(t) for t in tables) - len(_distinct(tables))
 
     def check_invariants(self) -> None:
         """Every block's ref count equals the number of tables holding it; free iff unreferenced."""
-        _check_pool(self.pool, self.block_tables.values())
+        _check_pool(self.pool, [r.blocks for r in self.seqs.values() if not r.swapped])
         if self.cpu_pool is not None:
-            _check_pool(self.cpu_pool, self.swapped_tables.values())
+            _check_pool(self.cpu_pool, [r.blocks for r in self.seqs.values() if r.swapped])
 
 
 def _distinct(tables) -> list[int]:
     return list(dict.fromkeys(block for table in tables for block in table))
 
 
-def _move(
-    source: dict[int, list[int]], target: dict[int, list[int]], seq_ids: list[int], src: BlockPool, dst: BlockPool
-) -> list[BlockPair]:
-    """Re-home the tables of `seq_ids` from one pool to the other, each distinct block once."""
-    tables = [source.pop(seq_id, []) for seq_id in seq_ids]
-    distinct = _distinct(tables)
-    mapping = dict(zip(distinct, dst.allocate(len(distinct)), strict=True))
-    for seq_id, table in zip(seq_ids, tables, strict=True):
-        moved = [mapping[block] for block in table]
-        target[seq_id] = moved
-        src.free(table)
-    for block in mapping.values():  # allocate gave one reference; each further holder takes one more
-        holders = sum(table.count(block) for table in (target[s] for s in seq_ids))
-        for _ in range(holders - 1):
-            dst.take(block)
-    return list(mapping.items())
-
-
-def _check_pool(pool: BlockPool, tables) -> None:
+def _check_pool(pool: BlockPool, tables: list[list[int]]) -> None:
     holders = [0] * pool.num_blocks
     for table in tables:
         for block in table:

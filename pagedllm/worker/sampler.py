@@ -30,6 +30,12 @@ class SamplingRow:
     output_token_ids: list[int]
     generator: torch.Generator | None  # per-sequence RNG; None only for greedy rows
     banned_token_ids: tuple[int, ...] = ()  # e.g. EOS + stop_token_ids while len(output) < min_tokens
+    # The sampled token's raw log-probability even without `params.logprobs`: best_of ranks samples by it.
+    needs_logprob: bool = False
+
+    @property
+    def wants_logprob(self) -> bool:
+        return self.needs_logprob or self.params.logprobs is not None
 
 
 @dataclass(slots=True)
@@ -38,6 +44,8 @@ class SamplerOutput:
     # Per row: None unless params.logprobs is set; else the sampled token and the top-`logprobs` tokens of
     # the raw distribution, each with rank = 1 + the number of tokens with a strictly larger logit.
     logprobs: list[dict[int, Logprob] | None]
+    # Per row: the sampled token's raw log-probability where the row wants it (see SamplingRow), else None.
+    sampled_logprobs: list[float | None]
 
 
 class Sampler:
@@ -50,7 +58,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must have shape [{len(rows)}, vocab], got {list(logits.shape)}")
-        logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        logprob_rows = [i for i, row in enumerate(rows) if row.wants_logprob]
         raw = logits[logprob_rows] if logprob_rows else None  # a copy, taken before any change below
 
         _ban_tokens(logits, rows)
@@ -66,11 +74,20 @@ class Sampler:
             token_ids[random] = _sample_random(_select_rows(logits, random), [rows[i] for i in random])
 
         logprobs: list[dict[int, Logprob] | None] = [None] * len(rows)
+        sampled_logprobs: list[float | None] = [None] * len(rows)
         if raw is not None:
-            entries = _logprobs(raw, token_ids[logprob_rows], [rows[i] for i in logprob_rows])
-            for i, entry in zip(logprob_rows, entries, strict=True):
-                logprobs[i] = entry
-        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+            picked, entries = _logprobs(raw, token_ids[logprob_rows], [rows[i] for i in logprob_rows])
+            for i, logprob, entry in zip(logprob_rows, picked, entries, strict=True):
+                sampled_logprobs[i], logprobs[i] = logprob, entry
+        return SamplerOutput(token_ids.tolist(), logprobs, sampled_logprobs)
+
+
+def top_logprobs(logits: torch.Tensor, k: int) -> list[list[tuple[float, int]]]:
+    """Per row of ``logits``, its ``k`` most likely tokens as (log-probability, token id), best first:
+    what beam search extends each beam with."""
+    top = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+    rows = zip(top.values.tolist(), top.indices.tolist(), strict=True)
+    return [list(zip(values, ids, strict=True)) for values, ids in rows]
 
 
 def _select_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -285,12 +302,16 @@ def _resample_outside_nucleus(
             positions[pending] = _draw(weights, [rows[i] for i in pending], pending)
 
 
-def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]) -> list[dict[int, Logprob]]:
-    """Logprob dicts (sampled token + top-k) from a copy of the unmodified logits of the rows that asked.
+def _logprobs(
+    raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]
+) -> tuple[list[float], list[dict[int, Logprob] | None]]:
+    """The sampled tokens' log-probabilities, and logprob dicts (sampled token + top-k) for the rows that
+    asked for them, from a copy of the unmodified logits of the rows that want either.
 
     Overwrites ``raw``.
     """
-    k = min(max(row.params.logprobs for row in rows), raw.shape[1])  # asking for more than V gets all V
+    # Asking for more than V gets all V.
+    k = min(max(row.params.logprobs or 0 for row in rows), raw.shape[1])
     top_logit, top_ids = raw.topk(k, dim=-1)
     sampled_logit = raw.gather(1, tokens[:, None])
     # Ranking by raw logits equals ranking by logprob (a per-row shift) without rounding ties. An int32
@@ -303,8 +324,11 @@ def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]) 
     top_logprob = (top_logit - log_norm).tolist()
     top_logit_list, top_ids_list = top_logit.tolist(), top_ids.tolist()
 
-    entries = []
+    entries: list[dict[int, Logprob] | None] = []
     for j, (row, token) in enumerate(zip(rows, tokens.tolist(), strict=True)):
+        if row.params.logprobs is None:
+            entries.append(None)
+            continue
         entry = {token: Logprob(sampled_logprob[j], sampled_rank[j])}
         rank = 0
         for pos in range(min(row.params.logprobs, k)):
@@ -313,4 +337,4 @@ def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]) 
                 rank = pos + 1
             entry[top_ids_list[j][pos]] = Logprob(top_logprob[j][pos], rank)
         entries.append(entry)
-    return entries
+    return sampled_logprob, entries

@@ -1,0 +1,91 @@
+"""The worker: carries out one `SchedulerOutput` on the tensors and returns one `ModelOutput`.
+
+It moves and copies blocks, runs the model once over the step's flat batch, and picks a token (or a
+beam's candidates) for every sample row. Every path from logits to tokens and log-probabilities goes
+through the sampler here; nothing above the worker touches logits.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from pagedllm.models.llama import LlamaForCausalLM
+from pagedllm.scheduler import ModelOutput, RowOutput, SampleRow, SchedulerOutput
+from pagedllm.sequence import Sequence
+from pagedllm.worker.cache_engine import CacheEngine, KVShape
+from pagedllm.worker.model_runner import ModelRunner, build_batch
+from pagedllm.worker.sampler import Sampler, SamplingRow, top_logprobs
+
+
+class StepTimer:
+    """Accumulates wall time per phase of a step, so a benchmark can say where the time goes."""
+
+    def __init__(self, totals: dict[str, float]) -> None:
+        self.totals = totals
+        self.last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.totals[phase] = self.totals.get(phase, 0.0) + now - self.last
+        self.last = now
+
+
+class Worker:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        shape: KVShape,
+        num_blocks: int,
+        num_cpu_blocks: int,
+        device: str,
+        eos_ids: frozenset[int],
+    ) -> None:
+        self.block_size = shape.block_size
+        self.cache = CacheEngine(shape, num_blocks, num_cpu_blocks, device)
+        self.runner = ModelRunner(model, self.cache.kv_caches, shape.block_size)
+        self.sampler = Sampler()
+        self.eos_ids = eos_ids
+
+    def execute(self, out: SchedulerOutput, timer: StepTimer) -> ModelOutput:
+        self.cache.swap_out(out.swap_out)
+        self.cache.copy(out.copies)
+        self.cache.swap_in(out.swap_in)
+        timer.lap("swap/copy")
+        if not out.scheduled:
+            return ModelOutput()
+        batch = build_batch(out.scheduled, [item.block_table for item in out.scheduled], self.block_size)
+        timer.lap("prepare")
+        logits = self.runner.run(batch)
+        timer.lap("forward")
+        with torch.inference_mode():
+            rows = self._pick(logits, out.samples)
+        timer.lap("sample")
+        return ModelOutput(rows)
+
+    def _pick(self, logits: torch.Tensor, samples: list[SampleRow]) -> list[RowOutput]:
+        """Beams first: the sampler overwrites the logits it is given, and beams read them unchanged."""
+        rows = [RowOutput() for _ in samples]
+        beams = [i for i, sample in enumerate(samples) if sample.num_beam_candidates]
+        if beams:
+            k = max(samples[i].num_beam_candidates for i in beams)
+            for i, top in zip(beams, top_logprobs(logits[[samples[i].logits_row for i in beams]], k), strict=True):
+                rows[i].candidates = top[: samples[i].num_beam_candidates]
+        drawn = [i for i, sample in enumerate(samples) if not sample.num_beam_candidates]
+        if drawn:
+            picked = [samples[i].logits_row for i in drawn]
+            # Parallel samples share their parent's row: they need copies, since sampling works in place.
+            own = logits if picked == list(range(len(logits))) else logits[picked]
+            result = self.sampler(own, [self._sampling_row(samples[i].seq) for i in drawn])
+            for j, i in enumerate(drawn):
+                rows[i] = RowOutput(result.token_ids[j], result.logprobs[j], result.sampled_logprobs[j])
+        return rows
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        params = seq.params
+        banned: tuple[int, ...] = ()
+        if seq.num_output_tokens < params.min_tokens:
+            banned = tuple(params.stop_token_ids) + (() if params.ignore_eos else tuple(self.eos_ids))
+        needs_logprob = params.num_samples > params.n
+        return SamplingRow(params, seq.prompt_token_ids, seq.output_token_ids, seq.generator, banned, needs_logprob)
