@@ -6,12 +6,14 @@ from __future__ import annotations
 import argparse
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Any, get_args, get_origin, get_type_hints
+from types import UnionType
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import torch
 
 DEFAULT_KV_CACHE_MEMORY = 4 << 30  # bytes; the same default as vLLM's CPU backend
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 PREEMPTION_MODES = ("recompute", "swap")
 DEVICES = ("cpu", "cuda")
 
@@ -74,6 +76,21 @@ class EngineConfig:
         return resolve_dtype(self.dtype)
 
 
+@dataclass(frozen=True, slots=True)
+class ServeOptions:
+    """The server's own options (`pagedllm serve` flags come from this list, as the engine's do)."""
+
+    host: str = option("127.0.0.1", "address to listen on")
+    port: int = option(8000, "port to listen on")
+    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' (not /health, /metrics)")
+    served_model_names: tuple[str, ...] = option((), "default: the --model argument", flag="--served-model-name")
+    shutdown_grace_s: float = option(5.0, "seconds in-flight requests get after SIGTERM", flag="--shutdown-grace")
+    log_level: str = option("warning", "uvicorn's log level (the CLI's --log-level)")
+
+    def model_names(self, model: str | Path | None) -> tuple[str, ...]:
+        return self.served_model_names or (str(model) if model is not None else DEFAULT_SERVED_NAME,)
+
+
 def _require_positive(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -128,7 +145,8 @@ def option_values(options: type, args: argparse.Namespace) -> dict[str, Any]:
 
 def _flag_type(annotation: Any) -> type:
     """bool, int, float or tuple where the annotation (less `None`) is one; str for everything else."""
-    kinds = [kind for kind in get_args(annotation) or (annotation,) if kind is not type(None)]
+    union = get_origin(annotation) in (Union, UnionType)
+    kinds = [kind for kind in (get_args(annotation) if union else (annotation,)) if kind is not type(None)]
     origin = [get_origin(kind) or kind for kind in kinds]
     for kind in (bool, int, float, tuple):
         if origin == [kind]:

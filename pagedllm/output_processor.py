@@ -11,8 +11,8 @@ from transformers import PreTrainedTokenizerBase
 from pagedllm.detokenizer import next_text, start_detokenizer
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.request import SequenceGroup
-from pagedllm.scheduler import NewToken, StepUpdate
 from pagedllm.sequence import Sequence, SequenceStatus
+from pagedllm.step import NewToken, StepUpdate
 from pagedllm.stopping import string_stop
 
 logger = logging.getLogger(__name__)

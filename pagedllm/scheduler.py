@@ -15,92 +15,14 @@ scheduler is the only owner of the KV cache manager.
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from dataclasses import dataclass, field
 
 from pagedllm.beam_search import Candidate, FinishedBeam
-from pagedllm.kv.kv_cache_manager import BlockPair, KVCacheManager, blocks_needed
-from pagedllm.outputs import EngineStats, Logprob
+from pagedllm.kv.kv_cache_manager import KVCacheManager, blocks_needed
+from pagedllm.outputs import EngineStats
 from pagedllm.request import SequenceGroup
 from pagedllm.sequence import Sequence, SequenceFactory, SequenceStatus
-from pagedllm.stopping import StopDecision, length_stop, token_stop
-
-
-@dataclass(slots=True)
-class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int
-    block_table: list[int] = field(default_factory=list)  # filled in once the step's allocations are final
-
-    @property
-    def start(self) -> int:
-        """Position of the first new token; the ones before it are in the cache."""
-        return self.seq.num_computed_tokens
-
-    @property
-    def completes(self) -> bool:
-        """True when this chunk reaches the end of the sequence, so its last logits pick the next token."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
-
-
-@dataclass(slots=True)
-class SampleRow:
-    """One token to pick this step. `logits_row` indexes the completing sequences in scheduled order;
-    parallel samples forked at their first token share their parent's row."""
-
-    seq: Sequence
-    logits_row: int
-    forked_from: Sequence | None = None  # joins the request (sharing the parent's blocks) in `update`
-    num_beam_candidates: int = 0  # a beam: its best continuations are returned instead of a sampled token
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    samples: list[SampleRow] = field(default_factory=list)
-    preempted: list[SequenceGroup] = field(default_factory=list)
-    # Carried out by the worker before the forward pass, in this order: swap_out, copies, swap_in.
-    # (Swapping out first keeps a block's content safe when the same step hands the block to someone else.)
-    swap_out: list[BlockPair] = field(default_factory=list)
-    copies: list[BlockPair] = field(default_factory=list)
-    swap_in: list[BlockPair] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(item.num_new_tokens for item in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not (self.scheduled or self.swap_out or self.swap_in)
-
-
-@dataclass(slots=True)
-class RowOutput:
-    """What the worker picked for one `SampleRow`."""
-
-    token_id: int = -1
-    logprobs: dict[int, Logprob] | None = None  # the sampled token and the top `params.logprobs`
-    logprob: float | None = None  # the sampled token's raw log-probability, where the row needs it
-    candidates: list[tuple[float, int]] | None = None  # a beam's best (log-probability, token) continuations
-
-
-@dataclass(slots=True)
-class ModelOutput:
-    rows: list[RowOutput] = field(default_factory=list)  # one per `SchedulerOutput.samples` entry
-
-
-@dataclass(slots=True)
-class NewToken:
-    seq: Sequence
-    logprobs: dict[int, Logprob] | None
-    stop: StopDecision | None  # a stop decided by the token or the length; stop strings come later
-
-
-@dataclass(slots=True)
-class StepUpdate:
-    """What a step changed, for the output processor: tokens appended, and the requests that moved."""
-
-    new_tokens: list[NewToken] = field(default_factory=list)
-    groups: list[SequenceGroup] = field(default_factory=list)
+from pagedllm.step import ModelOutput, NewToken, RowOutput, SampleRow, ScheduledSeq, SchedulerOutput, StepUpdate
+from pagedllm.stopping import length_stop, token_stop
 
 
 class Scheduler:
@@ -325,6 +247,7 @@ class Scheduler:
         return update
 
     def _join(self, parent: Sequence, child: Sequence) -> None:
+        """The child enters its parent's request sharing every block (the first write copies)."""
         group = self._group_of(parent)
         child.num_computed_tokens = parent.num_computed_tokens
         self.kv.fork(parent.seq_id, child.seq_id)
@@ -363,8 +286,7 @@ class Scheduler:
             # Fork before appending, so each child starts from the parent's tokens as they were.
             children = [self.sequences.fork(parent, parent.index) for _ in picks[1:]]
             for child in children:
-                self.kv.fork(parent.seq_id, child.seq_id)
-                group.seqs.append(child)
+                self._join(parent, child)
             for member, pick in zip([parent, *children], picks, strict=True):
                 member.token_ids.append(pick.token)
                 member.cumulative_logprob = pick.cumulative_logprob

@@ -40,3 +40,30 @@ def test_bad_option_is_a_clear_error(tiny_llama, capsys):
 def test_missing_model_is_a_clear_error(tmp_path, capsys):
     assert main(["generate", "hi", "--model", str(tmp_path / "nowhere")]) == 2
     assert "nowhere" in capsys.readouterr().err
+
+
+def test_every_engine_option_is_a_flag_of_every_engine_command() -> None:
+    """EngineConfig is the one list: each field reaches generate, chat and serve as a flag, with its
+    default, and a flag sets the field (booleans get --no-... as well)."""
+    from dataclasses import MISSING, fields
+
+    from pagedllm.config import EngineConfig, option_values
+    from pagedllm.entrypoints.cli import make_parser
+
+    parser = make_parser()
+    for command in ("generate", "chat", "serve"):
+        prompt = ["hi"] if command == "generate" else []
+        defaults = option_values(EngineConfig, parser.parse_args([command, *prompt]))
+        assert defaults == {f.name: f.default for f in fields(EngineConfig) if f.default is not MISSING}
+        args = parser.parse_args([command, *prompt, "--block-size", "8", "--no-enable-prefix-caching"])
+        config = EngineConfig(**option_values(EngineConfig, args))
+        assert (config.block_size, config.enable_prefix_caching) == (8, False)
+
+
+def test_llm_takes_exactly_the_engine_options() -> None:
+    import pytest
+
+    from pagedllm import LLM
+
+    with pytest.raises(TypeError, match="blocksize"):
+        LLM(blocksize=8)

@@ -23,7 +23,8 @@ from pagedllm import LLM, SamplingParams
 
 API_KEY = "sk-test"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-FAULT = "~!~"  # the server's test-only fault marker: a prompt ending in it fails inside the engine step
+FAULT = "~!~"  # tests/fault_server.py's marker: a prompt ending in it fails inside the engine step
+FAULT_SERVER = Path(__file__).with_name("fault_server.py")
 NUM_KV_BLOCKS = "512"
 MAX_MODEL_LEN = 512  # the tiny model's max_position_embeddings
 
@@ -56,9 +57,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(model: Path, log: Path, *flags: str) -> ServerProcess:
+def start_server(model: Path, log: Path, *flags: str, fault: str | None = None) -> ServerProcess:
+    """`pagedllm serve`, or with `fault`, tests/fault_server.py with that marker."""
     port = free_port()
-    command = [sys.executable, "-m", "pagedllm", "serve", "--model", str(model), "--port", str(port)]
+    launcher = ["-m", "pagedllm", "serve"] if fault is None else [str(FAULT_SERVER), fault]
+    command = [sys.executable, *launcher, "--model", str(model), "--port", str(port)]
     command += ["--dtype", "float32", "--num-kv-blocks", NUM_KV_BLOCKS, *flags]
     with log.open("w") as sink:  # a file, not a pipe: a pipe nobody reads would block the server's logging
         process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
@@ -97,8 +100,8 @@ def sse_data(response: httpx.Response) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory) -> Iterator[ServerProcess]:
     log = tmp_path_factory.mktemp("server") / "server.log"
-    flags = ["--api-key", API_KEY, "--served-model-name", "tiny", "tiny-alias", "--fault-injection-text", FAULT]
-    process = start_server(tiny_llama, log, *flags)
+    flags = ["--api-key", API_KEY, "--served-model-name", "tiny", "tiny-alias"]
+    process = start_server(tiny_llama, log, *flags, fault=FAULT)
     yield process
     assert stop_server(process) == 0, log.read_text()
 

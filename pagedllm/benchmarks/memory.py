@@ -199,7 +199,7 @@ def _stored_slots(kv: KVCacheManager, lengths: dict[int, int]) -> int:
     every block instead would cost the length of every table at every step."""
     empty: dict[int, int] = {}
     for seq, length in lengths.items():
-        table = kv.block_tables[seq]
+        table = kv.block_table(seq)
         empty[table[-1]] = len(table) * kv.block_size - length
     return kv.pool.num_used * kv.block_size - sum(empty.values())
 

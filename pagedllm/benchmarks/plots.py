@@ -7,19 +7,30 @@ PNG of one kind has the same pixel size and the docs lay out the same way from r
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from pagedllm.benchmarks.memory import MemoryResult
-
 DPI = 100
 WIDE = (8.0, 4.5)  # inches: one panel
 DOUBLE = (10.0, 4.0)  # inches: two panels side by side
 FEATURED_PAGED = "paged-16"  # the engine's default block size
+
+
+class MemoryResult(Protocol):
+    """What the memory plots read of one allocator's replay (`pagedllm.benchmarks.memory`)."""
+
+    allocator: str
+    utilization: Sequence[float]
+    concurrency: Sequence[int]
+
+    @property
+    def mean_utilization(self) -> float: ...
 
 
 def plot_throughput(rows: list[dict], path: Path) -> None:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pagedllm.benchmarks.memory import add_bench_memory_args, run_bench_memory
 from pagedllm.benchmarks.serve import add_bench_serve_args, run_bench_serve
 from pagedllm.benchmarks.throughput import add_bench_throughput_args, run_bench_throughput
-from pagedllm.config import EngineConfig, add_dataclass_args, option_values
+from pagedllm.config import EngineConfig, ServeOptions, add_dataclass_args, option_values
 from pagedllm.entrypoints.llm import LLM, Message
 from pagedllm.sampling_params import SamplingParams
 
@@ -91,16 +91,9 @@ def run_chat(args: argparse.Namespace) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     # Imported here: the web stack costs start-up time that generate and chat need not pay.
-    from pagedllm.entrypoints.openai.api_server import ServeOptions, serve
+    from pagedllm.entrypoints.openai.api_server import serve
 
-    options = ServeOptions(**option_values(ServeOptions, args), log_level=args.log_level)
-    return serve(build_llm(args), options)
-
-
-def _serve_options() -> type:
-    from pagedllm.entrypoints.openai.api_server import ServeOptions
-
-    return ServeOptions
+    return serve(build_llm(args), ServeOptions(**option_values(ServeOptions, args)))
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -119,7 +112,7 @@ def make_parser() -> argparse.ArgumentParser:
     add_sampling_args(chat, max_tokens=512)
     chat.set_defaults(handler=run_chat)
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
-    add_dataclass_args(serve, _serve_options(), skip=("log_level",))
+    add_dataclass_args(serve, ServeOptions, skip=("log_level",))
     add_dataclass_args(serve, EngineConfig)
     serve.set_defaults(handler=run_serve)
     bench = commands.add_parser("bench", help="benchmarks")

@@ -78,8 +78,8 @@ def zeroed(dims: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
 
     On the CPU the memory is an anonymous mapping, which the OS zeroes lazily, so a 4 GiB pool costs
     nothing at start-up. It asks for transparent huge pages: the pool hands out fresh blocks in LRU
-    order, so every block's first write faults, and with 4 KiB pages those faults made writing a
-    2048-token prefill's K/V 7x slower than the copy itself."""
+    order, so every block's first write faults, and with 4 KiB pages those faults cost several times the
+    copy itself (docs/PERFORMANCE.md has the figures)."""
     if torch.device(device).type != "cpu":
         return torch.zeros(dims, dtype=dtype, device=device)
     num_bytes = torch.empty((), dtype=dtype).element_size()

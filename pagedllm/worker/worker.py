@@ -12,8 +12,8 @@ import time
 import torch
 
 from pagedllm.models.llama import LlamaForCausalLM
-from pagedllm.scheduler import ModelOutput, RowOutput, SampleRow, SchedulerOutput
 from pagedllm.sequence import Sequence
+from pagedllm.step import ModelOutput, RowOutput, SampleRow, SchedulerOutput
 from pagedllm.worker.cache_engine import CacheEngine, KVShape
 from pagedllm.worker.model_runner import ModelRunner, build_batch
 from pagedllm.worker.sampler import Sampler, SamplingRow, top_logprobs

@@ -43,7 +43,7 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _SamplingRequest(_Strict):
+class SamplingRequest(_Strict):
     """Fields that completions and chat completions share."""
 
     model: str | None = None
@@ -80,7 +80,7 @@ class _SamplingRequest(_Strict):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-class CompletionRequest(_SamplingRequest):
+class CompletionRequest(SamplingRequest):
     prompt: PromptField
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -120,7 +120,7 @@ class ChatMessage(_Strict):
         return message
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = Field(None, ge=1)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 
 from pagedllm.engine import LLMEngine, PromptInput, RequestsFailedError
-from pagedllm.metrics import RequestTiming, ServerMetrics
+from pagedllm.entrypoints.openai.metrics import RequestTiming, ServerMetrics
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sequence import SequenceStatus
@@ -53,10 +53,7 @@ class RequestGroup:
         self._unfinished = set(range(len(request_ids)))
         self._abort = abort
 
-    def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        return self._outputs()
-
-    async def _outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         while self._unfinished:
             for index, item in await self._latest():
                 if isinstance(item, BaseException):
@@ -101,12 +98,10 @@ class _Live:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics, fault_marker: str | None = None) -> None:
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics) -> None:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.metrics = metrics
-        if fault_marker is not None:
-            engine.tokenizer = _FaultInjectingTokenizer(engine.tokenizer, fault_marker)
         self._engine = engine  # touched by the engine thread only
         self._live: dict[str, _Live] = {}  # engine thread only
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -242,26 +237,26 @@ class AsyncLLMEngine:
     def _abort(self, request_ids: list[str]) -> None:
         """Its client left: free the blocks now; nobody is listening for a last output."""
         for request_id in request_ids:
-            self._engine.abort_request(request_id)
-            live = self._live.pop(request_id, None)
-            if live is not None:
-                self._end(live, "abort")
+            self._drop(request_id, "abort")
 
     def _abort_all(self) -> None:
-        for request_id, live in list(self._live.items()):
-            self._engine.abort_request(request_id)
-            del self._live[request_id]
-            self._end(live, "abort")
+        for request_id in list(self._live):
+            live = self._drop(request_id, "abort")
             self._to_loop(live.group.deliver, live.index, _aborted_output(request_id, live))
 
     def _fail(self, request_id: str, error: Exception) -> None:
+        live = self._drop(request_id, "error")
+        if live is not None:
+            failure = RequestFailedError(f"serving the request failed: {error!r}")
+            self._to_loop(live.group.deliver, live.index, failure)
+
+    def _drop(self, request_id: str, finish_reason: str) -> _Live | None:
+        """Abort the request in the engine and end its bookkeeping, if a client was waiting for it."""
         self._engine.abort_request(request_id)
         live = self._live.pop(request_id, None)
-        if live is None:
-            return
-        self._end(live, "error")
-        failure = RequestFailedError(f"serving the request failed: {error!r}")
-        self._to_loop(live.group.deliver, live.index, failure)
+        if live is not None:
+            self._end(live, finish_reason)
+        return live
 
     def _step(self) -> None:
         try:
@@ -341,22 +336,3 @@ def _aborted_output(request_id: str, live: _Live) -> RequestOutput:
         return RequestOutput(request_id, None, prompt_token_ids, completions, finished=True)
     completions = [replace(c, finish_reason=c.finish_reason or "abort") for c in last.outputs]
     return replace(last, outputs=completions, finished=True)
-
-
-class _FaultInjectingTokenizer:
-    """Test-only stand-in for the engine's tokenizer (`pagedllm serve --fault-injection-text`): decoding text
-    that contains the marker raises, as a detokenizer bug would for one request's tokens. It lets tests show
-    that a failure inside `LLMEngine.step` fails only the request it belongs to, with the engine unchanged."""
-
-    def __init__(self, tokenizer: object, marker: str) -> None:
-        self._tokenizer = tokenizer
-        self._marker = marker
-
-    def decode(self, *args: object, **kwargs: object) -> str:
-        text = self._tokenizer.decode(*args, **kwargs)
-        if self._marker in text:
-            raise RuntimeError(f"injected fault: decoded text contains {self._marker!r}")
-        return text
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._tokenizer, name)

@@ -4,7 +4,7 @@
 # attention microbenchmark, and the throughput benchmark when it can run on CUDA. Every result goes
 # into one JSON file:
 #
-#     benchmarks/gpu_check.sh [OUT.json]      (default gpu_results.json)
+#     scripts/gpu_check.sh [OUT.json]      (default gpu_results.json)
 #
 # A step that fails or runs out of time is recorded with its exit status; the others still run.
 set -uo pipefail
@@ -57,7 +57,7 @@ kernel_tests() {
 
 attention_benchmark() {
     # A Llama-3-8B layer's attention (32 heads, 8 KV heads, head dim 128), bf16, the engine's block size.
-    "$PYTHON" benchmarks/attention.py --device cuda --heads 32 --kv-heads 8 --head-dim 128 --block-size 16 \
+    "$PYTHON" scripts/bench_attention.py --device cuda --heads 32 --kv-heads 8 --head-dim 128 --block-size 16 \
         --json "$WORK/attention.json"
 }
 

@@ -1,6 +1,6 @@
 """Memory sharing, measured: prefix caching, forks (parallel sampling, beam search), preemption modes.
 
-    python benchmarks/sharing.py [--model PATH] [--part prefix|forks|preemption|all] [--json PATH]
+    python scripts/bench_sharing.py [--model PATH] [--part prefix|forks|preemption|all] [--json PATH]
 
 (a) prefix: 8 system prompts of 512 tokens x 16 questions of 32-64 tokens, shuffled, 32 output
     tokens each; prefix caching on vs off: prompt tokens computed, mean time to first token

@@ -31,10 +31,6 @@ class RequestTiming:
     num_output_tokens: int  # of its longest completion: the tokens that arrived one step apart
 
     @property
-    def ttft(self) -> float | None:
-        return None if self.first_token is None else self.first_token - self.arrival
-
-    @property
     def tpot(self) -> float | None:
         if self.first_token is None or self.num_output_tokens < 2:
             return None
@@ -43,36 +39,36 @@ class RequestTiming:
 
 class ServerMetrics:
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self._gauges = {name: Gauge(f"pagedllm:{name}", doc, registry=self.registry) for name, doc in _GAUGES.items()}
-        self._preemptions = Counter("pagedllm:num_preemptions", "Sequences preempted", registry=self.registry)
-        self._prompt_tokens = Counter("pagedllm:prompt_tokens", "Prompt tokens processed", registry=self.registry)
-        self._generation_tokens = Counter("pagedllm:generation_tokens", "Tokens generated", registry=self.registry)
+        self.registry = registry = CollectorRegistry()
+        self._gauges = {name: Gauge(f"pagedllm:{name}", doc, registry=registry) for name, (_, doc) in _GAUGES.items()}
+        self._preemptions = Counter("pagedllm:num_preemptions", "Sequences preempted", registry=registry)
+        self._prompt_tokens = Counter("pagedllm:prompt_tokens", "Prompt tokens processed", registry=registry)
+        self._generation_tokens = Counter("pagedllm:generation_tokens", "Tokens generated", registry=registry)
         self._finished = Counter(
             "pagedllm:requests_finished",
             "Requests ended, by the finish reason of their first completion ('error' when serving it failed)",
             ["finish_reason"],
-            registry=self.registry,
+            registry=registry,
         )
         self._ttft = Histogram(
-            "pagedllm:time_to_first_token_seconds", "Time to first token", buckets=_TTFT_BUCKETS, registry=self.registry
+            "pagedllm:time_to_first_token_seconds", "Time to first token", buckets=_TTFT_BUCKETS, registry=registry
         )
         self._tpot = Histogram(
             "pagedllm:time_per_output_token_seconds",
             "Time per output token after the first, per request",
             buckets=_TPOT_BUCKETS,
-            registry=self.registry,
+            registry=registry,
         )
         self._e2e = Histogram(
             "pagedllm:e2e_request_latency_seconds",
             "Arrival to last token, for requests that finished (stop or length)",
             buckets=_E2E_BUCKETS,
-            registry=self.registry,
+            registry=registry,
         )
         self._last_preemptions = 0
 
     def observe_engine(self, stats: EngineStats) -> None:
-        for name, stat in _GAUGE_SOURCES.items():
+        for name, (stat, _) in _GAUGES.items():
             # getattr: fields that newer engines add (prefix caching, swapping) read as 0 on older ones.
             self._gauges[name].set(getattr(stats, stat, 0.0))
         # The engine counts preemptions since it started; a Prometheus counter only moves forward by deltas.
@@ -98,25 +94,14 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
+# Gauge name -> (EngineStats field, help).
 _GAUGES = {
-    "num_requests_running": "Sequences in the running queue",
-    "num_requests_waiting": "Sequences waiting to be scheduled",
-    "kv_blocks_total": "KV cache blocks in the pool",
-    "kv_blocks_used": "KV cache blocks referenced by sequences",
-    "kv_blocks_peak": "Most KV cache blocks ever in use at once",
-    "kv_utilization": "Tokens stored over the slots of the blocks that hold them",
-    "prefix_cache_hit_rate": "Prompt tokens served from the prefix cache over prompt tokens",
-    "swapped_blocks": "KV blocks swapped out to CPU swap space",
-}
-
-# Gauge name -> EngineStats field.
-_GAUGE_SOURCES = {
-    "num_requests_running": "num_running",
-    "num_requests_waiting": "num_waiting",
-    "kv_blocks_total": "kv_blocks_total",
-    "kv_blocks_used": "kv_blocks_used",
-    "kv_blocks_peak": "kv_blocks_peak",
-    "kv_utilization": "kv_utilization",
-    "prefix_cache_hit_rate": "prefix_cache_hit_rate",
-    "swapped_blocks": "num_swapped_out_blocks",
+    "num_requests_running": ("num_running", "Sequences in the running queue"),
+    "num_requests_waiting": ("num_waiting", "Sequences waiting to be scheduled"),
+    "kv_blocks_total": ("kv_blocks_total", "KV cache blocks in the pool"),
+    "kv_blocks_used": ("kv_blocks_used", "KV cache blocks referenced by sequences"),
+    "kv_blocks_peak": ("kv_blocks_peak", "Most KV cache blocks ever in use at once"),
+    "kv_utilization": ("kv_utilization", "Tokens stored over the slots of the blocks that hold them"),
+    "prefix_cache_hit_rate": ("prefix_cache_hit_rate", "Prompt tokens served from the prefix cache over prompt tokens"),
+    "swapped_blocks": ("num_swapped_out_blocks", "KV blocks swapped out to CPU swap space"),
 }

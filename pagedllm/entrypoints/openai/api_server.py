@@ -1,0 +1,218 @@
+"""`pagedllm serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over `AsyncLLMEngine`.
+
+`/v1/completions` and `/v1/chat/completions` (server-sent events when `stream` is true; their own modules),
+`/v1/models`, `/tokenize`, `/detokenize`, `/health` and `/metrics`. Every error has OpenAI's shape,
+`{"error": {"message", "type", "param", "code"}}`, with `param` naming the offending field.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import secrets
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import replace
+from functools import partial
+from typing import Any
+
+import torch
+import uvicorn
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from pagedllm.config import ServeOptions
+from pagedllm.entrypoints.llm import LLM
+from pagedllm.entrypoints.openai import protocol
+from pagedllm.entrypoints.openai.async_engine import AsyncLLMEngine
+from pagedllm.entrypoints.openai.metrics import METRICS_CONTENT_TYPE, ServerMetrics
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.entrypoints.openai.serving_common import ApiError, OpenAIServing, RenderChat
+from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+
+_OPEN_PATHS = frozenset({"/health", "/metrics"})  # open even with an API key: probes and scrapers carry none
+_SHUTDOWN_BACKSTOP_S = 3.0  # after the grace period and the aborts, uvicorn cancels whatever still runs
+
+
+def serve(llm: LLM, options: ServeOptions) -> int:
+    """Serve until SIGTERM or SIGINT; then finish or abort in-flight requests and return 0."""
+    _leave_a_core_to_http()
+    options = replace(options, served_model_names=options.model_names(llm.engine.config.model))
+    engine = AsyncLLMEngine(llm.engine, ServerMetrics())
+    config = uvicorn.Config(
+        build_app(engine, llm.render_chat, options),
+        host=options.host,
+        port=options.port,
+        log_level=options.log_level.lower(),
+        timeout_graceful_shutdown=math.ceil(options.shutdown_grace_s + _SHUTDOWN_BACKSTOP_S),
+    )
+    banner = f"pagedllm: serving {options.served_model_names[0]} on http://{options.host}:{options.port}"
+    _Server(config, on_exit=partial(engine.drain, options.shutdown_grace_s), banner=banner).run()
+    return 0
+
+
+def _leave_a_core_to_http() -> None:
+    """Torch's threads spin between ops; with one per core, the event loop thread preempts one of them and
+    each parallel op then waits a scheduler slice for it (docs/PERFORMANCE.md has the cost). As vLLM's CPU
+    backend does, leave a core to the HTTP side, unless the user chose the count."""
+    if "OMP_NUM_THREADS" not in os.environ and torch.get_num_threads() > 1:
+        torch.set_num_threads(torch.get_num_threads() - 1)
+
+
+class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None], banner: str) -> None:
+        super().__init__(config)
+        self._on_exit = on_exit
+        self._banner = banner
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # uvicorn re-raises the caught signal after shutting down, so the default handler kills the process
+        # with status -15; a server that stopped cleanly on request exits 0 instead.
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        super().handle_exit(sig, frame)
+        self._on_exit()
+
+    async def startup(self, sockets: list | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            print(self._banner, file=sys.stderr, flush=True)
+
+
+def build_app(engine: AsyncLLMEngine, render_chat: RenderChat, options: ServeOptions) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        await engine.shutdown()
+
+    names = options.served_model_names
+    completion = OpenAIServingCompletion(engine, render_chat, names)
+    chat = OpenAIServingChat(engine, render_chat, names)
+    info = _ServingInfo(engine, render_chat, names)
+    app = FastAPI(title="pagedllm", lifespan=lifespan)
+    app.post("/v1/completions")(completion.create)
+    app.post("/v1/chat/completions")(chat.create)
+    app.get("/v1/models")(info.models)
+    app.post("/tokenize")(info.tokenize)
+    app.post("/detokenize")(info.detokenize)
+    app.get("/health")(info.health)
+    app.get("/metrics")(info.metrics)
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)
+    if options.api_key is not None:
+        app.add_middleware(_ApiKeyMiddleware, api_key=options.api_key)
+    return app
+
+
+class _ServingInfo(OpenAIServing):
+    """The endpoints that generate nothing: the models, the tokenizer, health and metrics."""
+
+    async def models(self) -> protocol.ModelList:
+        created, max_model_len = int(time.time()), self.engine.max_model_len
+        cards = [protocol.ModelCard(id=name, created=created, max_model_len=max_model_len) for name in self.names]
+        return protocol.ModelList(data=cards)
+
+    async def tokenize(self, body: protocol.TokenizeRequest) -> protocol.TokenizeResponse:
+        self._model(body.model)
+        if body.messages is not None:
+            tokens = self._render(body.messages, body.add_generation_prompt)["prompt_token_ids"]
+        else:
+            tokens = self.engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return protocol.TokenizeResponse(count=len(tokens), max_model_len=self.engine.max_model_len, tokens=tokens)
+
+    async def detokenize(self, body: protocol.DetokenizeRequest) -> protocol.DetokenizeResponse:
+        self._model(body.model)
+        vocab = len(self.engine.tokenizer)
+        bad = [t for t in body.tokens if t >= vocab]
+        if bad:
+            raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
+        return protocol.DetokenizeResponse(prompt=self.engine.tokenizer.decode(body.tokens))
+
+    async def health(self) -> Response:
+        if not self.engine.is_running:
+            raise ApiError(503, "the engine is not running", kind="server_error")
+        return Response(status_code=200)
+
+    async def metrics(self) -> Response:
+        return Response(self.engine.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+
+# ---- errors and the API key -----------------------------------------------------------------
+
+
+async def _api_error(_: Request, error: ApiError) -> JSONResponse:
+    return error.response()
+
+
+async def _validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
+    """FastAPI's 422 becomes OpenAI's 400, naming the first offending field."""
+    problems = error.errors()
+    first = problems[0]
+    if first["type"] == "json_invalid":
+        detail = first.get("ctx", {}).get("error", first["msg"])
+        return ApiError(400, f"malformed JSON body: {detail}").response()
+    param = _param(first["loc"])
+    messages = [_problem(problem) for problem in problems[:3]]
+    return ApiError(400, "; ".join(messages), param=param).response()
+
+
+def _problem(problem: dict) -> str:
+    param = _param(problem["loc"])
+    if problem["type"] == "extra_forbidden":
+        return f"unknown field: {param}"
+    message = problem["msg"].removeprefix("Value error, ")
+    return f"{param}: {message}" if param else message
+
+
+def _param(loc: tuple) -> str | None:
+    """'messages.0.role' from ('body', 'messages', 0, 'role'), without pydantic's union tags ('list[int]')."""
+    parts = [str(part) for part in loc[1:] if not _is_union_tag(part)]
+    return ".".join(parts) or None
+
+
+def _is_union_tag(part: object) -> bool:
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool"))
+
+
+async def _http_error(_: Request, error: HTTPException) -> JSONResponse:
+    return ApiError(error.status_code, str(error.detail)).response()
+
+
+async def _internal_error(_: Request, error: Exception) -> JSONResponse:
+    return ApiError(500, f"internal server error: {error!r}", kind="server_error").response()
+
+
+class _ApiKeyMiddleware:
+    """A pure ASGI middleware: unlike BaseHTTPMiddleware, it leaves streaming and disconnects untouched."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in _OPEN_PATHS or self._authorized(scope):
+            await self.app(scope, receive, send)
+            return
+        refusal = ApiError(401, "invalid or missing API key", code="invalid_api_key").response()
+        await refusal(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        given = Headers(scope=scope).get("authorization", "").encode()
+        return secrets.compare_digest(given, self.expected)

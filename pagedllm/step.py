@@ -1,0 +1,87 @@
+"""The values that travel along one step, and so the contracts between its rooms: the scheduler's
+`SchedulerOutput` goes to the worker, the worker's `ModelOutput` back to the scheduler, and the
+scheduler's `StepUpdate` on to the output processor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedllm.kv.kv_cache_manager import BlockPair
+from pagedllm.outputs import Logprob
+from pagedllm.request import SequenceGroup
+from pagedllm.sequence import Sequence
+from pagedllm.stopping import StopDecision
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+    block_table: list[int] = field(default_factory=list)  # filled in once the step's allocations are final
+
+    @property
+    def start(self) -> int:
+        """Position of the first new token; the ones before it are in the cache."""
+        return self.seq.num_computed_tokens
+
+    @property
+    def completes(self) -> bool:
+        """True when this chunk reaches the end of the sequence, so its last logits pick the next token."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class SampleRow:
+    """One token to pick this step. `logits_row` indexes the completing sequences in scheduled order;
+    parallel samples forked at their first token share their parent's row."""
+
+    seq: Sequence
+    logits_row: int
+    forked_from: Sequence | None = None  # joins the request (sharing the parent's blocks) in `update`
+    num_beam_candidates: int = 0  # a beam: its best continuations are returned instead of a sampled token
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    samples: list[SampleRow] = field(default_factory=list)
+    preempted: list[SequenceGroup] = field(default_factory=list)
+    # Carried out by the worker before the forward pass, in this order: swap_out, copies, swap_in.
+    # (Swapping out first keeps a block's content safe when the same step hands the block to someone else.)
+    swap_out: list[BlockPair] = field(default_factory=list)
+    copies: list[BlockPair] = field(default_factory=list)
+    swap_in: list[BlockPair] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.scheduled or self.swap_out or self.swap_in)
+
+
+@dataclass(slots=True)
+class RowOutput:
+    """What the worker picked for one `SampleRow`."""
+
+    token_id: int = -1
+    logprobs: dict[int, Logprob] | None = None  # the sampled token and the top `params.logprobs`
+    logprob: float | None = None  # the sampled token's raw log-probability, where the row needs it
+    candidates: list[tuple[float, int]] | None = None  # a beam's best (log-probability, token) continuations
+
+
+@dataclass(slots=True)
+class ModelOutput:
+    rows: list[RowOutput] = field(default_factory=list)  # one per `SchedulerOutput.samples` entry
+
+
+@dataclass(slots=True)
+class NewToken:
+    seq: Sequence
+    logprobs: dict[int, Logprob] | None
+    stop: StopDecision | None  # a stop decided by the token or the length; stop strings come later
+
+
+@dataclass(slots=True)
+class StepUpdate:
+    """What a step changed, for the output processor: tokens appended, and the requests that moved."""
+
+    new_tokens: list[NewToken] = field(default_factory=list)
+    groups: list[SequenceGroup] = field(default_factory=list)
