@@ -97,6 +97,24 @@ class LLMEngine:
         group.pending_forks = params.num_samples - 1
         self._queue(group)
 
+    def add_requests(self, requests: list[tuple[str, PromptInput, SamplingParams | BeamSearchParams]]) -> None:
+        """Queue every request or none: if one is refused, those already queued are withdrawn, and with
+        several the error says which prompt it was."""
+        added: list[str] = []
+        try:
+            for request_id, prompt, params in requests:
+                if isinstance(params, BeamSearchParams):
+                    self.add_beam_request(request_id, prompt, params)
+                else:
+                    self.add_request(request_id, prompt, params)
+                added.append(request_id)
+        except Exception as error:
+            for request_id in added:
+                self.abort_request(request_id)
+            if len(requests) > 1 and isinstance(error, ValueError):
+                raise ValueError(f"prompt {len(added)}: {error}") from error
+            raise
+
     def add_beam_request(self, request_id: str, prompt: PromptInput, params: BeamSearchParams) -> None:
         greedy = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos)
         group = self._new_group(request_id, prompt, greedy, params.max_tokens)

@@ -1,8 +1,8 @@
 """C sources built on first use with the system compiler, cached by content, loaded through ctypes.
 
-Each room keeps its own source under `csrc/` (the attention kernels, the model's fused element-wise
-ops) and asks `load` for it; when no compiler is available, `load` returns None and the caller falls
-back to torch ops. Set PAGEDLLM_NATIVE=0 to disable every native library.
+Every C source and header lives in `pagedllm/csrc/` (the attention kernels, the model's fused
+element-wise ops); a caller asks `load` for one by name. When no compiler is available, `load` returns
+None and the caller falls back to torch ops. Set PAGEDLLM_NATIVE=0 to disable every native library.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-# Headers every source may include (`#include "bf16.h"`); they are part of every library's cache key.
-INCLUDE_DIR = Path(__file__).parent / "csrc"
+# The sources, and the headers every one may include (`#include "bf16.h"`): those are part of every
+# library's cache key.
+CSRC_DIR = Path(__file__).parent / "csrc"
 
 # The parts of -ffast-math that let reductions vectorize, but not -ffast-math itself: linking with it
 # sets flush-to-zero for the whole process.
@@ -42,14 +43,14 @@ def cache_dir() -> Path:
     return Path(root) / "native"
 
 
-def load(source: Path) -> ctypes.CDLL | None:
-    """The compiled library of `source`, or None (with a warning) where it cannot be built."""
+def load(source_name: str) -> ctypes.CDLL | None:
+    """The compiled library of `csrc/<source_name>`, or None (with a warning) where it cannot be built."""
     if os.environ.get("PAGEDLLM_NATIVE", "1") == "0":
         return None
     try:
-        return ctypes.CDLL(str(_build(source)))
+        return ctypes.CDLL(str(_build(CSRC_DIR / source_name)))
     except (OSError, subprocess.CalledProcessError) as error:
-        logger.warning("native library %s unavailable (%s); using the torch path", source.name, error)
+        logger.warning("native library %s unavailable (%s); using the torch path", source_name, error)
         return None
 
 
@@ -58,7 +59,7 @@ def _build(source: Path) -> Path:
     if compiler is None:
         raise OSError("no C compiler found")
     key = hashlib.sha256(source.read_bytes() + " ".join((compiler, *FLAGS)).encode())
-    for header in sorted(INCLUDE_DIR.glob("*.h")):
+    for header in sorted(CSRC_DIR.glob("*.h")):
         key.update(header.read_bytes())
     digest = key.hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{digest}.so"
@@ -68,7 +69,7 @@ def _build(source: Path) -> Path:
     # Build beside the target and rename, so concurrent first uses never load a half-written file.
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        command = [compiler, *FLAGS, f"-I{INCLUDE_DIR}", str(source), "-o", str(built), "-lm"]
+        command = [compiler, *FLAGS, f"-I{CSRC_DIR}", str(source), "-o", str(built), "-lm"]
         subprocess.run(command, check=True, capture_output=True)
         os.replace(built, target)
     return target

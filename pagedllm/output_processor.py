@@ -89,15 +89,10 @@ class OutputProcessor:
         ]
 
 
-def _tracks_cumulative(seq: Sequence) -> bool:
-    """best_of ranks samples by cumulative logprob, needed even when no logprobs were asked for."""
-    return seq.params.logprobs is None and seq.params.num_samples > seq.params.n
-
-
 def _returned(group: SequenceGroup) -> list[Sequence]:
     """All samples, or with best_of the n best by cumulative logprob once the request is done."""
     params = group.seqs[0].params
-    if params.num_samples == params.n:
+    if not params.ranks_samples:
         return group.seqs
     if not group.finished:
         return []
@@ -110,7 +105,7 @@ def _completion(seq: Sequence) -> CompletionOutput:
         index=seq.index,
         text=seq.text,
         token_ids=seq.output_token_ids,
-        cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None or _tracks_cumulative(seq) else None,
+        cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None or seq.params.ranks_samples else None,
         logprobs=seq.logprobs,
         finish_reason=seq.status.finish_reason,
         stop_reason=seq.stop_reason,

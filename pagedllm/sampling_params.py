@@ -108,6 +108,11 @@ class SamplingParams:
         return self.best_of or self.n
 
     @property
+    def ranks_samples(self) -> bool:
+        """best_of > n: samples are ranked by cumulative logprob, needed even without `logprobs`."""
+        return self.num_samples > self.n
+
+    @property
     def is_greedy(self) -> bool:
         return self.temperature < _SAMPLING_EPS
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedllm.attention import native, paged_attention, plan_attention, run_planned, write_kv
+from pagedllm.attention import AttentionMetadata, cpu, get_backend, paged_attention, write_kv
 
 # (atol, rtol): bf16 keeps 8 bits of mantissa, so beyond magnitude 1 two correct roundings of the same
 # float32 result can differ by one ulp (1/64 at magnitude 2..4): its tolerance must be relative too.
@@ -66,10 +66,10 @@ def make_case(
 def use(implementation, monkeypatch):
     """Route the CPU path to one implementation."""
     if implementation == "torch":
-        monkeypatch.setattr(native, "supports", lambda *args: False)
+        monkeypatch.setattr(cpu, "supports", lambda *args: False)
     elif implementation == "portable":
-        monkeypatch.setattr(native, "has_fast_bf16", lambda: False)
-    elif not native.has_fast_bf16():
+        monkeypatch.setattr(cpu, "has_fast_bf16", lambda: False)
+    elif not cpu.has_fast_bf16():
         pytest.skip("the compiler does not target AVX512-BF16 here")
 
 
@@ -177,19 +177,31 @@ def test_large_scores_stay_finite_and_exact(monkeypatch, implementation, dtype):
 
 
 def test_engine_call_runs_the_kernel_for_prefill_and_decode(monkeypatch):
-    # The engine's per-layer call (`run_planned`, with this step's K/V) must reach the C kernel once for the
-    # whole batch, whole prompts included, rather than torch's attention.
+    # The engine's per-layer call (the CPU's default backend on the step's metadata) must reach the C kernel
+    # once for the whole batch, whole prompts included, rather than torch's attention.
     calls = []
-    kernel = native.paged_attention
-    monkeypatch.setattr(native, "paged_attention", lambda *args: calls.append(args) or kernel(*args))
+    kernel = cpu.attend
+    monkeypatch.setattr(cpu, "attend", lambda *args: calls.append(args) or kernel(*args))
     case = make_case(16, 9, 3, 64, torch.bfloat16, [50, 9, 30], [50, 1, 4], unused=float("nan"))
     query, k_cache, v_cache, tables, lens, starts = case
-    plan = plan_attention(tables, lens, starts, 16)
-    key = torch.zeros(query.shape[0], 3, 64, dtype=query.dtype)  # ignored: the kernel reads the cache
-    got = run_planned(query, key, key, k_cache, v_cache, plan, 0.125)
+    metadata = AttentionMetadata.build(tables, lens, starts, 16, "cpu")
+    got = get_backend(None, "cpu")(query, k_cache, v_cache, metadata, 0.125)
     expected = paged_attention(query, k_cache, v_cache, tables, lens, starts, 0.125, backend="reference")
     assert len(calls) == 1
     torch.testing.assert_close(got.float(), expected.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_metadata_splits_decode_rows_from_prefill_chunks():
+    tables = torch.tensor([[4, 5, 0], [7, 0, 0], [1, 2, 3]], dtype=torch.int32)
+    lens = torch.tensor([20, 3, 40], dtype=torch.int32)
+    starts = torch.tensor([0, 1, 4, 5], dtype=torch.int32)  # a decode token, a 3-token chunk, a decode token
+    metadata = AttentionMetadata.build(tables, lens, starts, 16, "cpu")
+    assert metadata.decode is not None
+    assert metadata.decode.rows.tolist() == [0, 4] and metadata.decode.max_seq_len == 40
+    assert metadata.decode.block_tables.tolist() == [[4, 5, 0], [1, 2, 3]]
+    (chunk,) = metadata.prefills
+    assert chunk.rows == slice(1, 4) and chunk.seq_len == 3
+    assert chunk.block_tables.tolist() == [[7, 0, 0]] and chunk.query_start_loc.tolist() == [0, 3]
 
 
 def test_write_kv_stores_at_slots_and_skips_padding():
@@ -204,8 +216,8 @@ def test_write_kv_stores_at_slots_and_skips_padding():
 
 def test_native_kernel_builds_here_and_leaves_float_state_alone():
     # CI machines have gcc: the fast path must really be exercised, not silently skipped.
-    assert native.library() is not None
-    assert native.has_fast_bf16() == cpu_has_avx512_bf16()
+    assert cpu.library() is not None
+    assert cpu.has_fast_bf16() == cpu_has_avx512_bf16()
     # A library linked with -ffast-math would switch the whole process to flush-to-zero.
     smallest_subnormal = 5e-324
     assert smallest_subnormal * 2 > 0

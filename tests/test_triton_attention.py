@@ -37,7 +37,7 @@ pytest.importorskip("triton")
 if not ON_GPU:
     interpret_triton_on_cpu()
 
-from pagedllm.attention import paged_attention, plan_attention, triton_ops  # noqa: E402
+from pagedllm.attention import AttentionMetadata, paged_attention, triton_ops  # noqa: E402
 from pagedllm.attention import write_kv as cpu_write_kv  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -82,6 +82,13 @@ def reference(case: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return paged_attention(query, k_cache, v_cache, tables, lens, starts, scale, backend="reference")
 
 
+def triton_attend(case: tuple[torch.Tensor, ...], scale: float, **options: int) -> torch.Tensor:
+    """The Triton backend's call, with its options (`partition_size`, `version`)."""
+    query, k_cache, v_cache, tables, lens, starts = case
+    metadata = AttentionMetadata.build(tables, lens, starts, k_cache.shape[1], DEVICE)
+    return triton_ops.attend(query, k_cache, v_cache, metadata, scale, **options)
+
+
 def assert_matches(got: torch.Tensor, expected: torch.Tensor) -> None:
     atol, rtol = TOLERANCE[expected.dtype]
     torch.testing.assert_close(got.cpu().float(), expected.float(), atol=atol, rtol=rtol)
@@ -103,6 +110,12 @@ def test_mixed_batch_matches_reference(dtype, block_size, heads):
     scale = heads[2] ** -0.5
     got = paged_attention(*case, scale, backend="triton")
     assert_matches(got, reference(case))
+    # The whole batch in one mixed launch: several sequences of every kind share its grid.
+    query, k_cache, v_cache, tables, lens, starts = case
+    one_launch = torch.empty_like(query)
+    metadata = AttentionMetadata.build(tables, lens, starts, block_size, DEVICE)
+    triton_ops.mixed(query, k_cache, v_cache, metadata, one_launch, scale)
+    assert_matches(one_launch, reference(case))
 
 
 @pytest.mark.parametrize("version", [1, 2])
@@ -113,7 +126,7 @@ def test_decode_kernels_match_reference(version, dtype, block_size, heads):
     lens = edge_lengths(block_size)
     case = make_case(block_size, heads, dtype, lens, [1] * len(lens), seed=1, shared_prefix_blocks=2)
     scale = heads[2] ** -0.5
-    got = triton_ops.paged_attention(*case, scale, partition_size=SMALL_PARTITION, version=version)
+    got = triton_attend(case, scale, partition_size=SMALL_PARTITION, version=version)
     assert_matches(got, reference(case))
 
 
@@ -124,8 +137,8 @@ def test_partitioned_decode_equals_one_pass_on_a_long_context():
     query, k_cache = case[0], case[1]
     k_cache *= torch.linspace(0.2, 3.0, k_cache.shape[0], device=DEVICE)[:, None, None, None]  # in place
     scale = query.shape[-1] ** -0.5
-    one_pass = triton_ops.paged_attention(*case, scale, version=1)
-    partitioned = triton_ops.paged_attention(*case, scale, version=2)
+    one_pass = triton_attend(case, scale, version=1)
+    partitioned = triton_attend(case, scale, version=2)
     torch.testing.assert_close(partitioned, one_pass, atol=2e-6, rtol=2e-6)
     assert_matches(partitioned, reference(case))
 
@@ -166,13 +179,16 @@ def test_decode_version_rule(max_seq_len, num_seqs, num_heads, version):
     assert triton_ops.choose_decode_version(max_seq_len, num_seqs, num_heads, 512) == version
 
 
-def test_engine_plan_route_matches_reference():
-    # What `run_planned` does for CUDA tensors: decode rows in one launch, prefill chunks on their own.
+def test_engine_route_matches_reference():
+    # The engine's step: metadata built from CPU tensors and moved to the device once, then the per-layer
+    # call puts decode rows in one launch and each prefill chunk in its own.
     lens, query_lens = [40, 17, 33, 5], [1, 17, 9, 1]
     case = make_case(16, (6, 2, 64), torch.float32, lens, query_lens, seed=4, shared_prefix_blocks=1)
     query, k_cache, v_cache, tables, seq_lens, starts = case
-    plan = plan_attention(tables.cpu(), seq_lens.cpu(), starts.cpu(), block_size=16)
-    got = triton_ops.run_planned(query, k_cache, v_cache, plan, 0.125)
+    metadata = AttentionMetadata.build(tables.cpu(), seq_lens.cpu(), starts.cpu(), 16, DEVICE)
+    assert metadata.decode is not None and metadata.decode.rows.device == query.device
+    assert all(chunk.query_start_loc.device == query.device for chunk in metadata.prefills)
+    got = triton_ops.attend(query, k_cache, v_cache, metadata, 0.125)
     expected = paged_attention(*(t.cpu() for t in case), 0.125, backend="reference")
     assert_matches(got, expected)
 
@@ -211,8 +227,8 @@ geometry = T.Geometry(group=4, head_dim=128, block_size=16, dot_precision=precis
 decode = {"GROUP": 4, "GROUP_PAD": geometry.group_pad, **geometry.constexprs()}
 mixed = {"GROUP": 4, "BLOCK_M": T.MIXED_BLOCK_M, "BLOCK_Q": T.MIXED_BLOCK_M // 4, **geometry.constexprs()}
 kernels = [
-    (T._decode_v1_kernel, decode, geometry.decode_num_warps),
-    (T._decode_v2_kernel, {"PARTITION": 512, **decode}, geometry.decode_num_warps),
+    (T._decode_kernel, {"PARTITIONED": False, "PARTITION": 512, **decode}, geometry.decode_num_warps),
+    (T._decode_kernel, {"PARTITIONED": True, "PARTITION": 512, **decode}, geometry.decode_num_warps),
     (T._merge_partitions_kernel, {"PARTITION": 512, "PARTS_PAD": 16, "HEAD_DIM": 128, "HEAD_PAD": 128}, 4),
     (T._mixed_kernel, mixed, T.MIXED_NUM_WARPS),
     (T._write_kv_kernel, {"NUM_KV_HEADS": 8, "HEADS_PAD": 8, "HEAD_DIM": 128, "HEAD_PAD": 128, "BLOCK_SIZE": 16}, 4),

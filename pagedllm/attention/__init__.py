@@ -1,5 +1,6 @@
 """Paged attention: write K/V into cache slots and attend through block tables."""
 
-from pagedllm.attention.ops import AttentionPlan, paged_attention, plan_attention, run_planned, write_kv
+from pagedllm.attention.dispatch import get_backend, paged_attention, write_kv
+from pagedllm.attention.metadata import AttentionMetadata, Backend
 
-__all__ = ["AttentionPlan", "paged_attention", "plan_attention", "run_planned", "write_kv"]
+__all__ = ["AttentionMetadata", "Backend", "get_backend", "paged_attention", "write_kv"]

@@ -26,14 +26,12 @@ of `tl.dot` as their raw bits, so a bf16 dot could not be tested on the CPU.)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
-if TYPE_CHECKING:
-    from pagedllm.attention.ops import AttentionPlan
+from pagedllm.attention.metadata import AttentionMetadata, DecodeRows, PrefillChunk
 
 DEFAULT_PARTITION_SIZE = 512
 # vLLM's rule for its v1/v2 decode kernels: one pass while the context is short enough and either one
@@ -157,8 +155,11 @@ def _load_group_query(
 
 
 @triton.jit
-def _decode_v1_kernel(
+def _decode_kernel(
     out_ptr,
+    m_out_ptr,
+    l_out_ptr,
+    acc_out_ptr,
     q_ptr,
     k_ptr,
     v_ptr,
@@ -174,68 +175,9 @@ def _decode_v1_kernel(
     stride_t,
     stride_h,
     stride_table,
-    GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEAD_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    TILE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    row = tl.load(rows_ptr + seq)
-    dims = tl.arange(0, HEAD_PAD)
-    dim_ok = dims < HEAD_DIM
-    q, heads, member_ok = _load_group_query(q_ptr, row, kv_head, stride_qt, stride_qh, dims, dim_ok, GROUP, GROUP_PAD)
-    limit = seq_len + tl.zeros([GROUP_PAD], tl.int32)
-    table_ptr = tables_ptr + seq.to(tl.int64) * stride_table
-    m, sums, acc = _attend(
-        q,
-        k_ptr,
-        v_ptr,
-        table_ptr,
-        kv_head * stride_h,
-        0,
-        seq_len,
-        limit,
-        qk_scale,
-        stride_b,
-        stride_t,
-        dims,
-        dim_ok,
-        GROUP_PAD,
-        HEAD_PAD,
-        BLOCK_SIZE,
-        TILE,
-        DOT_PRECISION,
-    )
-    out = acc / tl.where(sums > 0, sums, 1.0)[:, None]
-    ptrs = out_ptr + row.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + dims[None, :]
-    tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=member_ok[:, None] & dim_ok[None, :])
-
-
-@triton.jit
-def _decode_v2_kernel(
-    m_out_ptr,
-    l_out_ptr,
-    acc_out_ptr,
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    tables_ptr,
-    seq_lens_ptr,
-    rows_ptr,
-    qk_scale,
-    stride_qt,
-    stride_qh,
-    stride_b,
-    stride_t,
-    stride_h,
-    stride_table,
     num_heads,
     num_parts,
+    PARTITIONED: tl.constexpr,
     PARTITION: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -245,15 +187,16 @@ def _decode_v2_kernel(
     TILE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Partial results go to m/l `[S, H, num_parts]` and acc `[S, H, num_parts, HEAD_DIM]`, float32."""
+    """v1 (one pass over the whole context, normalized into `out`) or, PARTITIONED, v2 (one partition per
+    program: partial results to m/l `[S, H, num_parts]` and acc `[S, H, num_parts, HEAD_DIM]`, float32)."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    start = part * PARTITION
+    start = part * PARTITION if PARTITIONED else 0
     if start >= seq_len:
         return
-    end = tl.minimum(start + PARTITION, seq_len)
+    end = tl.minimum(start + PARTITION, seq_len) if PARTITIONED else seq_len
     row = tl.load(rows_ptr + seq)
     dims = tl.arange(0, HEAD_PAD)
     dim_ok = dims < HEAD_DIM
@@ -280,10 +223,16 @@ def _decode_v2_kernel(
         TILE,
         DOT_PRECISION,
     )
-    stat = (seq.to(tl.int64) * num_heads + heads) * num_parts + part
-    tl.store(m_out_ptr + stat, m, mask=member_ok)
-    tl.store(l_out_ptr + stat, sums, mask=member_ok)
-    tl.store(acc_out_ptr + stat[:, None] * HEAD_DIM + dims[None, :], acc, mask=member_ok[:, None] & dim_ok[None, :])
+    mask = member_ok[:, None] & dim_ok[None, :]
+    if PARTITIONED:
+        stat = (seq.to(tl.int64) * num_heads + heads) * num_parts + part
+        tl.store(m_out_ptr + stat, m, mask=member_ok)
+        tl.store(l_out_ptr + stat, sums, mask=member_ok)
+        tl.store(acc_out_ptr + stat[:, None] * HEAD_DIM + dims[None, :], acc, mask=mask)
+    else:
+        out = acc / tl.where(sums > 0, sums, 1.0)[:, None]
+        ptrs = out_ptr + row.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+        tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -465,11 +414,7 @@ def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
 
 
 def write_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Store each token's K/V `[T, H_kv, D]` at its slot (`block * block_size + offset`); a negative slot is skipped."""
     _check_caches(k_cache, v_cache)
@@ -502,13 +447,10 @@ def decode(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    rows: torch.Tensor,
+    batch: DecodeRows,
     out: torch.Tensor,
     scale: float,
     *,
-    max_seq_len: int,
     partition_size: int = DEFAULT_PARTITION_SIZE,
     version: int | None = None,
 ) -> None:
@@ -518,36 +460,20 @@ def decode(
     if version not in (None, 1, 2):
         raise ValueError(f"version must be 1, 2 or None, got {version!r}")
     query = _rows_contiguous(query)
+    block_tables, seq_lens, rows, max_seq_len = batch.block_tables, batch.seq_lens, batch.rows, batch.max_seq_len
     num_seqs, num_heads = seq_lens.shape[0], query.shape[1]
     version = version or choose_decode_version(max_seq_len, num_seqs, num_heads, partition_size)
     geometry = Geometry.of(query, k_cache)
     query_strides = (query.stride(0), query.stride(1))
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
     specialize = {"GROUP": geometry.group, "GROUP_PAD": geometry.group_pad, **geometry.constexprs()}
-    grid = (num_seqs, k_cache.shape[2])
-    qk_scale = scale * LOG2E
-    if version == 1:
-        _decode_v1_kernel[grid](
-            out,
-            query,
-            k_cache,
-            v_cache,
-            block_tables,
-            seq_lens,
-            rows,
-            qk_scale,
-            *query_strides,
-            out.stride(0),
-            out.stride(1),
-            *cache_strides,
-            **specialize,
-            num_warps=geometry.decode_num_warps,
-        )
-        return
-    num_parts = triton.cdiv(max_seq_len, partition_size)
+    partitioned = version == 2
+    num_parts = triton.cdiv(max_seq_len, partition_size) if partitioned else 1
+    # v1 writes `out` directly; its partial-result arguments are never read.
     stats = torch.empty(2, num_seqs, num_heads, num_parts, dtype=torch.float32, device=query.device)
     partial = torch.empty(num_seqs, num_heads, num_parts, geometry.head_dim, dtype=torch.float32, device=query.device)
-    _decode_v2_kernel[(*grid, num_parts)](
+    _decode_kernel[(num_seqs, k_cache.shape[2], num_parts)](
+        out,
         stats[0],
         stats[1],
         partial,
@@ -557,15 +483,20 @@ def decode(
         block_tables,
         seq_lens,
         rows,
-        qk_scale,
+        scale * LOG2E,
         *query_strides,
+        out.stride(0),
+        out.stride(1),
         *cache_strides,
         num_heads,
         num_parts,
+        PARTITIONED=partitioned,
         PARTITION=partition_size,
         **specialize,
         num_warps=geometry.decode_num_warps,
     )
+    if not partitioned:
+        return
     _merge_partitions_kernel[(num_seqs, num_heads)](
         out,
         stats[0],
@@ -588,15 +519,14 @@ def mixed(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
+    batch: AttentionMetadata | PrefillChunk,
     out: torch.Tensor,
     scale: float,
 ) -> None:
     """Any flat batch (prefill chunks after cached prefixes, decode tokens) into `out`, causal per sequence."""
     _check_caches(k_cache, v_cache)
     query = _rows_contiguous(query)
+    block_tables, seq_lens, query_start_loc = batch.block_tables, batch.seq_lens, batch.query_start_loc
     geometry = Geometry.of(query, k_cache)
     block_m = max(MIXED_BLOCK_M, triton.next_power_of_2(geometry.group))
     block_q = block_m // geometry.group
@@ -628,76 +558,21 @@ def mixed(
     )
 
 
-def paged_attention(
+def attend(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
+    metadata: AttentionMetadata,
     scale: float,
     *,
     partition_size: int = DEFAULT_PARTITION_SIZE,
     version: int | None = None,
 ) -> torch.Tensor:
-    """The attention contract (see `pagedllm.attention.ops.paged_attention`). A batch of decode tokens only
-    goes to decode v1 or v2 (`version` forces one); anything else to the mixed kernel."""
+    """The step's decode tokens in one decode launch (v1 or v2, which `version` may force), each prefill
+    chunk in a mixed launch of its own. Every tensor they read was put on the device by the metadata."""
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    if query.shape[0] == 0:
-        return out
-    # One host sync for both: the grid of v2 and the v1/v2 rule need the longest context.
-    max_seq_len, max_query_len = torch.stack([seq_lens.max(), torch.diff(query_start_loc).max()]).tolist()
-    if max_query_len == 1:
-        rows = query_start_loc[:-1]
-        decode(
-            query,
-            k_cache,
-            v_cache,
-            block_tables,
-            seq_lens,
-            rows,
-            out,
-            scale,
-            max_seq_len=max_seq_len,
-            partition_size=partition_size,
-            version=version,
-        )
-    else:
-        mixed(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, scale)
-    return out
-
-
-def run_planned(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan, scale: float
-) -> torch.Tensor:
-    """The engine's per-layer call on the GPU: the plan's decode rows in one decode launch, each prefill
-    chunk in a mixed launch of its own. The plan's metadata is built on the host; it is copied here."""
-    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    device = query.device
-    if plan.decode is not None:
-        batch = plan.decode
-        decode(
-            query,
-            k_cache,
-            v_cache,
-            batch.block_tables.to(device),
-            batch.seq_lens.to(device),
-            batch.token_index.to(device),
-            out,
-            scale,
-            max_seq_len=int(batch.seq_lens.max()),
-        )
-    for seq in plan.prefills:
-        rows = slice(seq.query_start, seq.query_end)
-        q_len = seq.query_end - seq.query_start
-        mixed(
-            query[rows],
-            k_cache,
-            v_cache,
-            seq.block_ids.to(device=device, dtype=torch.int32)[None],
-            torch.tensor([seq.seq_len], dtype=torch.int32, device=device),
-            torch.tensor([0, q_len], dtype=torch.int32, device=device),
-            out[rows],
-            scale,
-        )
+    if metadata.decode is not None:
+        decode(query, k_cache, v_cache, metadata.decode, out, scale, partition_size=partition_size, version=version)
+    for chunk in metadata.prefills:
+        mixed(query[chunk.rows], k_cache, v_cache, chunk, out[chunk.rows], scale)
     return out

@@ -14,14 +14,20 @@ from pagedllm.config import EngineConfig, ServeOptions, add_dataclass_args, opti
 from pagedllm.entrypoints.llm import LLM, Message
 from pagedllm.sampling_params import SamplingParams
 
+# The SamplingParams fields the CLI takes, with its own defaults: greedy unless told otherwise.
+_SAMPLING_FLAGS: dict[str, tuple[type, float]] = {
+    "temperature": (float, 0.0),
+    "top_p": (float, 1.0),
+    "top_k": (int, 0),
+    "min_p": (float, 0.0),
+    "repetition_penalty": (float, 1.0),
+}
+
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     parser.add_argument("--max-tokens", type=int, default=max_tokens)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    for name, (kind, default) in _SAMPLING_FLAGS.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=default)
     parser.add_argument("--sampling-seed", type=int, default=None)
 
 
@@ -30,15 +36,8 @@ def build_llm(args: argparse.Namespace) -> LLM:
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        seed=args.sampling_seed,
-    )
+    chosen = {name: getattr(args, name) for name in _SAMPLING_FLAGS}
+    return SamplingParams(**chosen, max_tokens=args.max_tokens, seed=args.sampling_seed)
 
 
 def stream(llm: LLM, prompt: str | dict, params: SamplingParams) -> Iterator[str]:

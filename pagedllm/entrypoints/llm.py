@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +39,8 @@ class LLM:
         self, prompts: PromptInput | Seq[PromptInput], params: BeamSearchParams, use_tqdm: bool = False
     ) -> list[RequestOutput]:
         """Beam search per prompt; each result's outputs are its beams, best score first."""
-        adds = [partial(self.engine.add_beam_request, prompt=p, params=params) for p in _as_prompt_list(prompts)]
-        return self._run(self._add_all(adds), use_tqdm)
+        batch = _as_prompt_list(prompts)
+        return self._run(self._add_all(batch, [params] * len(batch)), use_tqdm)
 
     def generate(
         self,
@@ -52,9 +50,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt to completion in continuous batches; results come back in input order."""
         batch = _as_prompt_list(prompts)
-        params = _params_per_prompt(sampling_params, len(batch))
-        adds = [partial(self.engine.add_request, prompt=p, params=q) for p, q in zip(batch, params, strict=True)]
-        return self._run(self._add_all(adds), use_tqdm)
+        return self._run(self._add_all(batch, _params_per_prompt(sampling_params, len(batch))), use_tqdm)
 
     def chat(
         self,
@@ -76,19 +72,9 @@ class LLM:
         # The template already holds any BOS it wants; tokenizing must not add a second.
         return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
-    def _add_all(self, adds: list[Callable[[str], None]]) -> list[str]:
-        """Add all or nothing (each `add` queues one request under the id it is given): if one prompt
-        is refused, the ones already queued are withdrawn."""
-        request_ids: list[str] = []
-        try:
-            for add in adds:
-                request_id = str(next(self._ids))
-                add(request_id)
-                request_ids.append(request_id)
-        except Exception:
-            for request_id in request_ids:
-                self.engine.abort_request(request_id)
-            raise
+    def _add_all(self, prompts: list[PromptInput], params: Seq[SamplingParams | BeamSearchParams]) -> list[str]:
+        request_ids = [str(next(self._ids)) for _ in prompts]
+        self.engine.add_requests(list(zip(request_ids, prompts, params, strict=True)))
         return request_ids
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

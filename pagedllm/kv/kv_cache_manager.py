@@ -6,7 +6,7 @@ Everything here is bookkeeping over block ids; the copies and swaps it decides a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pagedllm.kv.block_pool import BlockPool
 from pagedllm.kv.prefix_hash import ROOT_HASH, hash_blocks
@@ -27,9 +27,6 @@ class SeqBlocks:
     hashes: list[bytes] = field(default_factory=list)  # chained hashes of its registered full blocks
     salt: str | None = None
     swapped: bool = False
-
-    def copy(self) -> SeqBlocks:
-        return SeqBlocks(list(self.blocks), self.num_tokens, list(self.hashes), self.salt, self.swapped)
 
 
 class KVCacheManager:
@@ -112,7 +109,7 @@ class KVCacheManager:
         record = self.seqs[parent_id]
         for block in record.blocks:
             self.pool.take(block)
-        self.seqs[child_id] = record.copy()
+        self.seqs[child_id] = replace(record, blocks=list(record.blocks), hashes=list(record.hashes))
 
     def register_computed(self, seq_id: int, token_ids: list[int], num_computed: int) -> None:
         """Make the sequence's newly completed full blocks findable by later prompts."""

@@ -1,4 +1,4 @@
-"""The Llama layer's element-wise ops: a fused C kernel (csrc/fused_ops.c) for CPU tensors in bf16
+"""The Llama layer's element-wise ops: a fused C kernel (pagedllm/csrc/fused_ops.c) for CPU tensors in bf16
 or float32, the plain torch form otherwise (other devices, no compiler, PAGEDLLM_NATIVE=0). Both
 round where transformers' Llama rounds."""
 
@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import ctypes
 from functools import cache
-from pathlib import Path
 
 import torch
 
 from pagedllm import native
 
-SOURCE = Path(__file__).parent / "csrc" / "fused_ops.c"
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _PTR, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -24,7 +22,7 @@ _SIGNATURES = {
 
 @cache
 def library() -> ctypes.CDLL | None:
-    lib = native.load(SOURCE)
+    lib = native.load("fused_ops.c")
     if lib is None:
         return None
     for name, argtypes in _SIGNATURES.items():

@@ -1,8 +1,8 @@
 """The Llama family, top to bottom: embeddings, decoder layers, norm, LM head.
 
 The model knows nothing about requests. Each attention layer writes this step's K/V into its
-paged cache and attends through the step's `AttentionPlan`; everything else is a plain
-transformer over a flat batch of tokens from many sequences.
+paged cache and attends through the step's `AttentionMetadata` with the step's attention backend;
+everything else is a plain transformer over a flat batch of tokens from many sequences.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pagedllm.attention import AttentionPlan, run_planned, write_kv
+from pagedllm.attention import AttentionMetadata, Backend, write_kv
 from pagedllm.models import fused
 from pagedllm.models.config import ModelConfig
 
@@ -23,7 +23,8 @@ class StepContext:
 
     positions: torch.Tensor  # [T]
     slot_mapping: torch.Tensor  # [T]
-    plan: AttentionPlan
+    metadata: AttentionMetadata
+    attention: Backend
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
 
 
@@ -39,7 +40,7 @@ class Linear(nn.Module):
 
     def prepack(self) -> None:
         """Reorder a bf16 CPU weight once into oneDNN's blocked layout: `linear` otherwise repacks it
-        on every call, which at decode batch sizes (16-128 rows) costs 10-50% of the product."""
+        on every call, a large share of the product at decode batch sizes (docs/PERFORMANCE.md)."""
         if (
             self.weight.device.type == "cpu"
             and self.weight.dtype == torch.bfloat16
@@ -123,7 +124,7 @@ class LlamaAttention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = ctx.kv_caches[self.layer_index]
         write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
-        out = run_planned(q, k, v, k_cache, v_cache, ctx.plan, self.scale)
+        out = ctx.attention(q, k_cache, v_cache, ctx.metadata, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

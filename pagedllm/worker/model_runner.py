@@ -1,4 +1,4 @@
-"""Turns a SchedulerOutput into one flat token batch, runs the model, returns logits of the sampling rows."""
+"""Turns the scheduled sequences into one flat token batch, runs the model, returns logits of the sampling rows."""
 
 from __future__ import annotations
 
@@ -7,10 +7,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedllm.attention import plan_attention
-from pagedllm.attention.ops import Workspace
+from pagedllm.attention import AttentionMetadata, get_backend
 from pagedllm.models.llama import LlamaForCausalLM, StepContext
-from pagedllm.scheduler import ScheduledSeq
+from pagedllm.step import ScheduledSeq
 
 
 @dataclass(slots=True)
@@ -24,19 +23,18 @@ class FlatBatch:
     logits_index: torch.Tensor  # rows whose hidden state picks a token, in `scheduled` order
 
 
-def build_batch(scheduled: list[ScheduledSeq], block_tables: list[list[int]], block_size: int) -> FlatBatch:
+def build_batch(scheduled: list[ScheduledSeq], block_size: int) -> FlatBatch:
     ids: list[int] = []
     positions: list[np.ndarray] = []
     slots: list[np.ndarray] = []
     query_lens: list[int] = []
     seq_lens: list[int] = []
-    for item, table in zip(scheduled, block_tables, strict=True):
-        start = item.seq.num_computed_tokens
-        end = start + item.num_new_tokens
+    for item in scheduled:
+        start, end = item.start, item.start + item.num_new_tokens
         ids.extend(item.seq.token_ids[start:end])
         pos = np.arange(start, end, dtype=np.int64)
         positions.append(pos)
-        slots.append(np.asarray(table, dtype=np.int64)[pos // block_size] * block_size + pos % block_size)
+        slots.append(np.asarray(item.block_table, dtype=np.int64)[pos // block_size] * block_size + pos % block_size)
         query_lens.append(item.num_new_tokens)
         seq_lens.append(end)
     query_start = np.concatenate(([0], np.cumsum(query_lens)))
@@ -45,7 +43,7 @@ def build_batch(scheduled: list[ScheduledSeq], block_tables: list[list[int]], bl
         input_ids=torch.tensor(ids, dtype=torch.long),
         positions=torch.from_numpy(np.concatenate(positions)),
         slot_mapping=torch.from_numpy(np.concatenate(slots)),
-        block_tables=_pad_tables(block_tables),
+        block_tables=_pad_tables([item.block_table for item in scheduled]),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         query_start_loc=torch.from_numpy(query_start.astype(np.int32)),
         logits_index=torch.from_numpy(query_start[1:][samples] - 1),
@@ -65,16 +63,17 @@ class ModelRunner:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
-        self.workspace = Workspace()
+        self.device = kv_caches[0][0].device
+        self.attention = get_backend(None, self.device)
 
     @torch.inference_mode()
     def run(self, batch: FlatBatch) -> torch.Tensor:
         """Float32 logits `[len(batch.logits_index), vocab]`, on the CPU where the sampler runs
         (each sequence's RNG is a CPU generator)."""
-        plan = plan_attention(
-            batch.block_tables, batch.seq_lens, batch.query_start_loc, self.block_size, self.workspace
+        metadata = AttentionMetadata.build(
+            batch.block_tables, batch.seq_lens, batch.query_start_loc, self.block_size, self.device
         )
-        device = self.kv_caches[0][0].device
-        ctx = StepContext(batch.positions.to(device), batch.slot_mapping.to(device), plan, self.kv_caches)
-        hidden = self.model(batch.input_ids.to(device), ctx)
-        return self.model.compute_logits(hidden.index_select(0, batch.logits_index.to(device))).cpu()
+        positions, slot_mapping = batch.positions.to(self.device), batch.slot_mapping.to(self.device)
+        ctx = StepContext(positions, slot_mapping, metadata, self.attention, self.kv_caches)
+        hidden = self.model(batch.input_ids.to(self.device), ctx)
+        return self.model.compute_logits(hidden.index_select(0, batch.logits_index.to(self.device))).cpu()

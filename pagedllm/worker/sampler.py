@@ -30,12 +30,10 @@ class SamplingRow:
     output_token_ids: list[int]
     generator: torch.Generator | None  # per-sequence RNG; None only for greedy rows
     banned_token_ids: tuple[int, ...] = ()  # e.g. EOS + stop_token_ids while len(output) < min_tokens
-    # The sampled token's raw log-probability even without `params.logprobs`: best_of ranks samples by it.
-    needs_logprob: bool = False
 
     @property
     def wants_logprob(self) -> bool:
-        return self.needs_logprob or self.params.logprobs is not None
+        return self.params.logprobs is not None or self.params.ranks_samples
 
 
 @dataclass(slots=True)

@@ -55,7 +55,7 @@ class Worker:
         timer.lap("swap/copy")
         if not out.scheduled:
             return ModelOutput()
-        batch = build_batch(out.scheduled, [item.block_table for item in out.scheduled], self.block_size)
+        batch = build_batch(out.scheduled, self.block_size)
         timer.lap("prepare")
         logits = self.runner.run(batch)
         timer.lap("forward")
@@ -87,5 +87,4 @@ class Worker:
         banned: tuple[int, ...] = ()
         if seq.num_output_tokens < params.min_tokens:
             banned = tuple(params.stop_token_ids) + (() if params.ignore_eos else tuple(self.eos_ids))
-        needs_logprob = params.num_samples > params.n
-        return SamplingRow(params, seq.prompt_token_ids, seq.output_token_ids, seq.generator, banned, needs_logprob)
+        return SamplingRow(params, seq.prompt_token_ids, seq.output_token_ids, seq.generator, banned)

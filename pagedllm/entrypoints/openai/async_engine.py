@@ -220,17 +220,14 @@ class AsyncLLMEngine:
         arrival: float,
         accepted: asyncio.Future[None],
     ) -> None:
-        added: list[str] = []
         try:
-            for request_id, prompt in zip(group.request_ids, prompts, strict=True):
-                self._engine.add_request(request_id, prompt, params)
-                added.append(request_id)
+            self._engine.add_requests(
+                [(request_id, prompt, params) for request_id, prompt in zip(group.request_ids, prompts, strict=True)]
+            )
         except Exception as error:
-            for request_id in added:
-                self._engine.abort_request(request_id)
-            self._to_loop(_settle, accepted, _name_prompt(error, len(added), len(prompts)))
+            self._to_loop(_settle, accepted, error)
             return
-        for index, request_id in enumerate(added):
+        for index, request_id in enumerate(group.request_ids):
             self._live[request_id] = _Live(group, index, params.n, arrival)
         self._to_loop(_settle, accepted, None)
 
@@ -319,13 +316,6 @@ def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
         future.set_result(None)
     else:
         future.set_exception(error)
-
-
-def _name_prompt(error: Exception, index: int, count: int) -> Exception:
-    """With several prompts, say which one was refused."""
-    if count == 1 or not isinstance(error, ValueError):
-        return error
-    return ValueError(f"prompt {index}: {error}")
 
 
 def _aborted_output(request_id: str, live: _Live) -> RequestOutput:

@@ -8,7 +8,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TypeVar
 
 import jinja2
@@ -27,6 +27,8 @@ from pagedllm.entrypoints.openai.async_engine import (
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
+_OWN_WAY = {"temperature", "max_tokens", "logprobs", "best_of"}
+_SHARED_SAMPLING_FIELDS = [spec.name for spec in fields(SamplingParams) if spec.name not in _OWN_WAY]
 Reply = TypeVar("Reply", bound=BaseModel)  # a whole response, or one chunk of a stream
 RenderChat = Callable[[list[dict[str, str]], bool], dict]
 
@@ -100,26 +102,13 @@ class OpenAIServing:
 def sampling_params(
     body: protocol.SamplingRequest, max_tokens: int | None, logprobs: int | None, best_of: int | None
 ) -> SamplingParams:
+    """The request's sampling fields that SamplingParams shares by name, plus the four each endpoint
+    reads its own way."""
+    shared = {name: getattr(body, name) for name in _SHARED_SAMPLING_FIELDS if name in type(body).model_fields}
+    temperature = 1.0 if body.temperature is None else body.temperature
     try:
         return SamplingParams(
-            n=body.n,
-            best_of=best_of,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=body.top_p,
-            top_k=body.top_k,
-            min_p=body.min_p,
-            seed=body.seed,
-            presence_penalty=body.presence_penalty,
-            frequency_penalty=body.frequency_penalty,
-            repetition_penalty=body.repetition_penalty,
-            stop=body.stop,
-            stop_token_ids=body.stop_token_ids,
-            include_stop_str_in_output=body.include_stop_str_in_output,
-            ignore_eos=body.ignore_eos,
-            max_tokens=max_tokens,
-            min_tokens=body.min_tokens,
-            logprobs=logprobs,
-            skip_special_tokens=body.skip_special_tokens,
+            **shared, temperature=temperature, max_tokens=max_tokens, logprobs=logprobs, best_of=best_of
         )
     except ValueError as error:  # rules across fields, e.g. min_tokens <= max_tokens; messages start with the field
         field_name = str(error).split(" ", 1)[0]

@@ -1,5 +1,6 @@
-"""The C attention kernels (csrc/paged_attention.c): built on first use with the system compiler, cached,
-and called through ctypes. When no compiler is available the CPU path falls back to torch ops.
+"""The C attention kernels (pagedllm/csrc/paged_attention.c): built on first use with the system compiler,
+cached, and called through ctypes. Where they cannot take the tensors, or no compiler is available, the
+CPU path falls back to the torch backend (see `dispatch`).
 
 One call attends every sequence of a step (decode tokens and prefill chunks) in place through the block
 table. bf16 runs the AVX512-BF16 kernel where the compiler targets it (this machine's `-march=native`)
@@ -12,13 +13,12 @@ from __future__ import annotations
 
 import ctypes
 from functools import cache
-from pathlib import Path
 
 import torch
 
 from pagedllm import native
+from pagedllm.attention.metadata import AttentionMetadata
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
 _PORTABLE = {torch.bfloat16: "paged_attention_bf16_portable", torch.float32: "paged_attention_f32_portable"}
 _FAST_BF16 = "paged_attention_bf16_avx512"  # only built where the compiler targets AVX512-BF16
 # The C side's limits: MAX_HEAD_DIM, and MAX_ITEM_ROWS query heads per KV head.
@@ -29,7 +29,7 @@ _ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [
 
 @cache
 def library() -> ctypes.CDLL | None:
-    lib = native.load(SOURCE)
+    lib = native.load("paged_attention.c")
     if lib is None:
         return None
     for name in (*_PORTABLE.values(), _FAST_BF16):
@@ -64,37 +64,31 @@ def kernel_name(dtype: torch.dtype, head_dim: int) -> str:
     return _PORTABLE[dtype]
 
 
-def paged_attention(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    out: torch.Tensor,
-    scale: float,
-) -> None:
-    """Write into `out` (contiguous, like `query`) the causal attention of every sequence's query tokens:
-    token j of sequence s, at position `seq_lens[s] - q_len + j`, over positions 0..that one, where
-    `q_len = query_start_loc[s + 1] - query_start_loc[s]`. The metadata is int32: `block_tables` `[S, *]`
-    (rows contiguous), `seq_lens` `[S]`, `query_start_loc` `[S + 1]`."""
+def attend(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """The causal attention of every sequence's query tokens in one kernel call: token j of sequence s, at
+    position `seq_lens[s] - q_len + j`, over positions 0..that one. Only for tensors `supports` accepts."""
     lib = library()
-    assert lib is not None and out.is_contiguous()
+    assert lib is not None
     query = query.contiguous()
+    out = torch.empty(query.shape, dtype=query.dtype)
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    block_tables = metadata.block_tables
     getattr(lib, kernel_name(query.dtype, head_dim))(
         query.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         block_tables.data_ptr(),
         block_tables.stride(0),
-        seq_lens.data_ptr(),
-        query_start_loc.data_ptr(),
+        metadata.seq_lens.data_ptr(),
+        metadata.query_start_loc.data_ptr(),
         out.data_ptr(),
-        seq_lens.numel(),
+        metadata.seq_lens.numel(),
         query.shape[1],
         num_kv_heads,
         head_dim,
         block_size,
         scale,
     )
+    return out

@@ -1,8 +1,8 @@
 """Attention microbenchmark: what reading K/V through a block table costs, for decode, and the CPU
 kernel against torch on the engine's own shapes.
 
-    python benchmarks/attention.py [--quick] [--json PATH]
-    python benchmarks/attention.py --engine [--json PATH]
+    python scripts/bench_attention.py [--quick] [--json PATH]
+    python scripts/bench_attention.py --engine [--json PATH]
 
 `--engine` (CPU) times the default model's attention (SmolLM2-135M: 9 heads, 3 KV heads, head dim 64,
 bf16, block size 16) on three shapes of a real run, each against what torch does for it:
@@ -14,8 +14,8 @@ bf16, block size 16) on three shapes of a real run, each against what torch does
 - chunk after prefix: 258 query tokens after 1790 cached ones, against the torch path (gather the
   blocks, batched matmul, mask, softmax).
 
-On the CPU: the engine's `cpu` path (the plan built once, as the engine does per step, then the per-layer
-call) against torch's `scaled_dot_product_attention` on the same K/V stored contiguously per sequence.
+On the CPU: the engine's `cpu` backend (the metadata built once, as the engine does per step, then the
+per-layer call) against torch's `scaled_dot_product_attention` on the same K/V stored contiguously per sequence.
 The contiguous baseline gives each KV head its group of query heads as query rows, the fastest
 contiguous form (SDPA's `enable_gqa` is 3-7x slower here). The cost of paging is paged time / contiguous
 time. That ratio also compares two different kernels, so the paged kernel is timed a second time with
@@ -35,12 +35,11 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from unittest import mock
 
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention import native, paged_attention, plan_attention, run_planned
+from pagedllm.attention import AttentionMetadata, get_backend, paged_attention
 
 H200_BYTES_PER_S = 4.8e12
 FLASH_ATTN_PAGE = 256  # flash_attn_with_kvcache needs pages that are multiples of 256 tokens
@@ -160,8 +159,9 @@ def in_order(case: Case) -> Case:
 
 
 def cpu_paged(case: Case, block_size: int) -> Callable[[], torch.Tensor]:
-    plan = plan_attention(case.block_tables, case.seq_lens, case.query_start_loc, block_size)
-    return lambda: run_planned(case.query, None, None, case.k_cache, case.v_cache, plan, case.scale)
+    metadata = AttentionMetadata.build(case.block_tables, case.seq_lens, case.query_start_loc, block_size, "cpu")
+    attend = get_backend("cpu", "cpu")
+    return lambda: attend(case.query, case.k_cache, case.v_cache, metadata, case.scale)
 
 
 def cpu_candidates(case: Case, block_size: int) -> dict[str, Callable[[], torch.Tensor]]:
@@ -179,31 +179,29 @@ class EngineRow:
     speedup: dict[str, float] = field(default_factory=dict)  # "baseline / paged_cpu": time ratio
 
 
-def torch_path(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-    """`fn` with the C kernel switched off: the CPU path machines without a compiler run."""
-
-    def run() -> torch.Tensor:
-        with mock.patch.object(native, "supports", return_value=False):
-            return fn()
-
-    return run
-
-
 def engine_decode(shape: Shape) -> EngineRow:
     layers = [make_case(shape, 111, 290, shape.block_size, "cpu", seed=layer) for layer in range(ENGINE_LAYERS)]
-    plans = [plan_attention(c.block_tables, c.seq_lens, c.query_start_loc, shape.block_size) for c in layers]
+    metadata = [
+        AttentionMetadata.build(c.block_tables, c.seq_lens, c.query_start_loc, shape.block_size, "cpu") for c in layers
+    ]
 
-    def paged() -> torch.Tensor:
-        for case, plan in zip(layers, plans, strict=True):
-            out = run_planned(case.query, None, None, case.k_cache, case.v_cache, plan, case.scale)
-        return out
+    def paged(backend: str) -> Callable[[], torch.Tensor]:
+        """The C kernel ("cpu") or the path machines without a compiler run ("torch")."""
+        attend = get_backend(backend, "cpu")
+
+        def run() -> torch.Tensor:
+            for case, step in zip(layers, metadata, strict=True):
+                out = attend(case.query, case.k_cache, case.v_cache, step, case.scale)
+            return out
+
+        return run
 
     def contiguous() -> torch.Tensor:
         for case in layers:
             out = contiguous_decode(case)
         return out
 
-    candidates = {"paged_cpu": paged, "paged_torch": torch_path(paged), "contiguous_sdpa": contiguous}
+    candidates = {"paged_cpu": paged("cpu"), "paged_torch": paged("torch"), "contiguous_sdpa": contiguous}
     check_agreement(layers[-1], candidates)
     ms = {name: t / ENGINE_LAYERS for name, t in time_cpu(candidates, ENGINE_ROUNDS).items()}
     return EngineRow("decode 111 x 290 (per layer, cold)", ms)
@@ -216,12 +214,13 @@ def engine_prefill(shape: Shape, q_len: int, seq_len: int) -> EngineRow:
     gen = torch.Generator().manual_seed(1)
     query = torch.randn(q_len, shape.num_heads, shape.head_dim, generator=gen).to(shape.torch_dtype)
     starts = torch.tensor([0, q_len], dtype=torch.int32)
-    plan = plan_attention(case.block_tables, case.seq_lens, starts, shape.block_size)
+    metadata = AttentionMetadata.build(case.block_tables, case.seq_lens, starts, shape.block_size, "cpu")
     key = case.k_contiguous[0, :, seq_len - q_len :].transpose(0, 1)  # this step's K/V, [q_len, H_kv, D]
     value = case.v_contiguous[0, :, seq_len - q_len :].transpose(0, 1)
 
-    def paged() -> torch.Tensor:
-        return run_planned(query, key, value, case.k_cache, case.v_cache, plan, case.scale)
+    def paged(backend: str) -> Callable[[], torch.Tensor]:
+        attend = get_backend(backend, "cpu")
+        return lambda: attend(query, case.k_cache, case.v_cache, metadata, case.scale)
 
     expected = paged_attention(
         query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, starts, case.scale, backend="reference"
@@ -229,8 +228,8 @@ def engine_prefill(shape: Shape, q_len: int, seq_len: int) -> EngineRow:
     if q_len == seq_len:
         name, baseline = f"prompt {q_len}", ("sdpa_causal", lambda: causal_sdpa(query, key, value, case.scale))
     else:
-        name, baseline = f"chunk {q_len} after {seq_len - q_len}", ("paged_torch", torch_path(paged))
-    candidates = {"paged_cpu": paged, baseline[0]: baseline[1]}
+        name, baseline = f"chunk {q_len} after {seq_len - q_len}", ("paged_torch", paged("torch"))
+    candidates = {"paged_cpu": paged("cpu"), baseline[0]: baseline[1]}
     for label, fn in candidates.items():
         if not torch.allclose(fn().float(), expected.float(), atol=2e-2, rtol=2e-2):
             raise AssertionError(f"{label} disagrees with the reference")
@@ -283,17 +282,11 @@ def report_engine_cases(shape: Shape, json_path: str | None) -> None:
 def cuda_candidates(case: Case) -> dict[str, Callable[[], torch.Tensor]]:
     from pagedllm.attention import triton_ops
 
-    max_len = int(case.seq_lens.max())
-    rows = case.query_start_loc[:-1]
+    block_size = case.k_cache.shape[1]
+    metadata = AttentionMetadata.build(case.block_tables, case.seq_lens, case.query_start_loc, block_size, "cuda")
 
     def triton_decode(version: int) -> Callable[[], torch.Tensor]:
-        def run() -> torch.Tensor:
-            out = torch.empty_like(case.query)
-            args = (case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, rows, out, case.scale)
-            triton_ops.decode(*args, max_seq_len=max_len, version=version)
-            return out
-
-        return run
+        return lambda: triton_ops.attend(case.query, case.k_cache, case.v_cache, metadata, case.scale, version=version)
 
     return {
         "contiguous_sdpa": lambda: contiguous_decode(case),

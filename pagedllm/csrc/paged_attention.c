@@ -22,7 +22,7 @@
  * Both are compiled wherever the compiler can, so the tests run both on an AVX512-BF16 machine.
  *
  * Built at first use by pagedllm.native (-O3 -march=native, the safe parts of fast-math) and called
- * through ctypes from pagedllm.attention.native.
+ * through ctypes from pagedllm.attention.cpu.
  */
 #include <math.h>
 #include <omp.h>

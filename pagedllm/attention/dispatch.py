@@ -1,0 +1,75 @@
+"""Which attention backend runs where, and the calls the rest of the project makes.
+
+Backends, each `attend(query, k_cache, v_cache, metadata, scale)`: "triton" (the GPU default, imported on
+first use because triton is optional on the CPU), "cpu" (the C kernel; tensors or machines it cannot take
+go to torch), "torch" (the fallback without a compiler) and "reference" (for tests)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from pagedllm.attention import cpu, reference, torch_ops
+from pagedllm.attention.metadata import AttentionMetadata, Backend
+
+
+def _c_kernel_or_torch(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    if cpu.supports(query, k_cache):
+        return cpu.attend(query, k_cache, v_cache, metadata, scale)
+    return torch_ops.attend(query, k_cache, v_cache, metadata, scale)
+
+
+def get_backend(name: str | None, device: torch.device | str, *, partition_size: int | None = None) -> Backend:
+    """The backend called `name`, or the device's default: "triton" on CUDA, "cpu" elsewhere.
+    `partition_size` belongs to the Triton decode kernels (the context length of one v2 partition, and an
+    input of the v1/v2 choice); the CPU backends attend to the whole context at once and ignore it."""
+    name = name or ("triton" if torch.device(device).type == "cuda" else "cpu")
+    if name == "triton":
+        from pagedllm.attention import triton_ops
+
+        if partition_size is None:
+            return triton_ops.attend
+        return functools.partial(triton_ops.attend, partition_size=partition_size)
+    backends: dict[str, Backend] = {"cpu": _c_kernel_or_torch, "torch": torch_ops.attend, "reference": reference.attend}
+    if name not in backends:
+        raise ValueError(f"backend must be 'reference', 'torch', 'cpu' or 'triton', got {name!r}")
+    return backends[name]
+
+
+def write_kv(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store each token's K/V at its slot (`block * block_size + offset`); a negative slot is padding."""
+    if k_cache.is_cuda:
+        from pagedllm.attention import triton_ops
+
+        triton_ops.write_kv(key, value, k_cache, v_cache, slot_mapping)
+        return
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    num_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, num_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    *,
+    backend: str | None = None,
+    partition_size: int | None = None,
+) -> torch.Tensor:
+    """Attention of a flat batch of S sequences through their block tables (see DESIGN.md), in one call:
+    the metadata the engine builds once per step, then the backend's `attend`."""
+    metadata = AttentionMetadata.build(block_tables, seq_lens, query_start_loc, k_cache.shape[1], query.device)
+    attend = get_backend(backend, query.device, partition_size=partition_size)
+    return attend(query, k_cache, v_cache, metadata, scale)

@@ -1,0 +1,155 @@
+"""The torch fallback, for machines where the C kernel cannot be built: it reads K/V through the block
+table with torch ops, everything in float32 scores and softmax.
+
+Decode tokens are padded into length-sorted groups of 16 sequences; each group's blocks are gathered whole
+into buffers reused across layers and steps (a fresh allocation per layer pays its page faults again), and
+its grouped heads are scored as one batched matmul against a block-diagonal query (`matmul` on permuted
+heads copies). A prefill chunk reads its whole context from the cache and applies a causal mask."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.attention.metadata import AttentionMetadata, DecodeRows, PrefillChunk
+
+DECODE_GROUP_SIZE = 16
+# Above this many KV heads the block-diagonal product wastes too many multiplications;
+# attend one KV head at a time instead.
+MAX_KV_HEADS_BLOCK_DIAGONAL = 4
+
+
+class Workspace:
+    """Gather buffers kept across layers and steps, so their pages are faulted in only once."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.numel() < numel or buffer.dtype != like.dtype or buffer.device != like.device:
+            buffer = torch.empty(numel, dtype=like.dtype, device=like.device)
+            self._buffers[name] = buffer
+        return buffer[:numel].view(shape)
+
+
+# One per process: the engine runs one step at a time, and every layer of a step fits the same buffers.
+_WORKSPACE = Workspace()
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    """Sequences with one query token each, of similar lengths, attended as one padded batch."""
+
+    token_index: torch.Tensor  # [S] rows of the flat batch
+    block_ids: torch.Tensor  # [S * max_blocks] (padding points at block 0 and is masked out)
+    invalid: torch.Tensor  # [S, max_blocks * block_size, 1] True past each sequence's end
+
+
+def decode_groups(metadata: AttentionMetadata) -> list[DecodeGroup]:
+    """The step's decode sequences, sorted by length and cut into padded groups."""
+    batch = metadata.decode
+    if batch is None:
+        return []
+    lens = batch.seq_lens.tolist()
+    order = sorted(range(len(lens)), key=lens.__getitem__)
+    return [
+        _group(batch, order[i : i + DECODE_GROUP_SIZE], metadata.block_size)
+        for i in range(0, len(order), DECODE_GROUP_SIZE)
+    ]
+
+
+def _group(batch: DecodeRows, rows: list[int], block_size: int) -> DecodeGroup:
+    index = torch.tensor(rows, dtype=torch.long)
+    group_lens = batch.seq_lens[index].long()
+    max_blocks = -(-int(group_lens.max()) // block_size)
+    block_ids = batch.block_tables[index, :max_blocks].reshape(-1).long()
+    invalid = torch.arange(max_blocks * block_size)[None, :] >= group_lens[:, None]
+    return DecodeGroup(batch.rows[index].long(), block_ids, invalid[:, :, None])
+
+
+def attend(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    for group in metadata.derived("torch_decode_groups", decode_groups):
+        out[group.token_index] = _attend_decode(query, k_cache, v_cache, group, scale)
+    for chunk in metadata.prefills:
+        out[chunk.rows] = _attend_chunk(query[chunk.rows], k_cache, v_cache, chunk, scale)
+    return out
+
+
+def _attend_decode(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup, scale: float
+) -> torch.Tensor:
+    num_seqs, padded_len = group.invalid.shape[0], group.invalid.shape[1]
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    shape = (group.block_ids.numel(), block_size, num_kv_heads, head_dim)
+    keys = torch.index_select(k_cache, 0, group.block_ids, out=_WORKSPACE.take("k", shape, k_cache))
+    values = torch.index_select(v_cache, 0, group.block_ids, out=_WORKSPACE.take("v", shape, v_cache))
+    keys, values = keys.view(num_seqs, padded_len, -1), values.view(num_seqs, padded_len, -1)
+    q = query.index_select(0, group.token_index)  # [S, H, D]
+    if num_kv_heads <= MAX_KV_HEADS_BLOCK_DIAGONAL:
+        return _decode_block_diagonal(q, keys, values, group.invalid, num_kv_heads, scale)
+    return _decode_per_kv_head(q, keys, values, group.invalid, num_kv_heads, scale)
+
+
+def _decode_block_diagonal(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, invalid: torch.Tensor, num_kv_heads: int, scale: float
+) -> torch.Tensor:
+    """keys/values `[S, L, H_kv*D]` as stored. Each query head is placed in the rows of its KV head
+    (zeros elsewhere), so one batched matmul scores all heads on contiguous memory."""
+    num_seqs, num_heads, head_dim = q.shape
+    group = num_heads // num_kv_heads
+    grouped = q.view(num_seqs, num_kv_heads, group, head_dim)
+    block_q = q.new_zeros(num_seqs, num_kv_heads, head_dim, num_kv_heads, group)
+    for kv_head in range(num_kv_heads):
+        block_q[:, kv_head, :, kv_head, :] = grouped[:, kv_head].transpose(1, 2)
+    scores = torch.bmm(keys.float(), block_q.view(num_seqs, -1, num_heads).float()).mul_(scale)  # [S, L, H]
+    scores.masked_fill_(invalid, float("-inf"))
+    weights = torch.softmax(scores, dim=1)
+    # [S, H, H_kv*D]: keep each head's own KV head
+    mixed = torch.bmm(weights.transpose(1, 2), values.float()).to(q.dtype)
+    mixed = mixed.view(num_seqs, num_kv_heads, group, num_kv_heads, head_dim)
+    return torch.diagonal(mixed, dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(num_seqs, num_heads, head_dim)
+
+
+def _decode_per_kv_head(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, invalid: torch.Tensor, num_kv_heads: int, scale: float
+) -> torch.Tensor:
+    num_seqs, num_heads, head_dim = q.shape
+    group = num_heads // num_kv_heads
+    grouped = q.view(num_seqs, num_kv_heads, group, head_dim)
+    keys = keys.view(num_seqs, -1, num_kv_heads, head_dim)
+    values = values.view(num_seqs, -1, num_kv_heads, head_dim)
+    out = q.new_empty(num_seqs, num_kv_heads, group, head_dim)
+    mask = invalid.view(num_seqs, 1, -1)
+    for kv_head in range(num_kv_heads):
+        scores = torch.bmm(grouped[:, kv_head].float(), keys[:, :, kv_head].transpose(1, 2).float()).mul_(scale)
+        scores.masked_fill_(mask, float("-inf"))
+        out[:, kv_head] = torch.bmm(torch.softmax(scores, dim=-1), values[:, :, kv_head].float())
+    return out.view(num_seqs, num_heads, head_dim)
+
+
+def _attend_chunk(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chunk: PrefillChunk, scale: float
+) -> torch.Tensor:
+    """A chunk's query j sits at position seq_len - q_len + j (after the cached tokens, if any)."""
+    q_len, seq_len = query.shape[0], chunk.seq_len
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    group = query.shape[1] // num_kv_heads
+    block_ids = chunk.block_tables[0, : -(-seq_len // block_size)]
+    keys = k_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:seq_len]
+    values = v_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:seq_len]
+    q = query.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, -1, head_dim)
+    scores = torch.matmul(q.float(), keys.permute(1, 2, 0).float()).mul_(scale).view(num_kv_heads, group, q_len, -1)
+    key_positions = torch.arange(seq_len)
+    query_positions = torch.arange(seq_len - q_len, seq_len)
+    scores.masked_fill_(key_positions[None, :] > query_positions[:, None], float("-inf"))
+    weights = torch.softmax(scores, dim=-1).view(num_kv_heads, group * q_len, -1)
+    out = torch.matmul(weights, values.transpose(0, 1).float()).view(num_kv_heads * group, q_len, head_dim)
+    return out.transpose(0, 1).to(query.dtype)
