@@ -1,5 +1,5 @@
 import sys
 
-from pagedllm.entrypoints.cli import main
+from pagedllm.cli import main
 
 sys.exit(main())

@@ -96,8 +96,8 @@ class Scheduler:
         return budget
 
     def _schedule_group(self, group: SequenceGroup, out: SchedulerOutput, budget: int, may_preempt: bool) -> int | None:
-        """Schedule the group's sequences; returns the tokens spent, or None if the group itself was
-        preempted to make room."""
+        """Schedule the group's sequences; returns the tokens spent, or None when the pool ran short (with
+        `may_preempt`, only when the group itself was preempted to make room)."""
         spent = 0
         for seq in group.live_seqs():
             num_new = min(seq.num_uncomputed_tokens, budget - spent)
@@ -105,7 +105,7 @@ class Scheduler:
                 continue  # budget spent, or a beam already waiting for its siblings
             while not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new, out.copies):
                 if not may_preempt:
-                    return spent  # the rest keep their place and run next step
+                    return None
                 victim = self.running.pop()
                 self._preempt(victim, out)
                 if victim is group:
@@ -153,7 +153,9 @@ class Scheduler:
             for seq in group.live_seqs():
                 seq.status = SequenceStatus.RUNNING
             self.running.append(group)
-            budget -= self._schedule_group(group, out, budget, may_preempt=False) or 0
+            mark = len(out.scheduled)
+            self._schedule_group(group, out, budget, may_preempt=False)  # what is left runs next step
+            budget -= sum(item.num_new_tokens for item in out.scheduled[mark:])
         return budget
 
     # ---- new and recomputed requests --------------------------------------------------------
@@ -166,7 +168,7 @@ class Scheduler:
                 return
             mark, copies = len(out.scheduled), len(out.copies)
             hits = [self._open(seq) for seq in seqs]
-            spent = self._reserve_all(seqs, out, budget)
+            spent = self._schedule_group(group, out, budget, may_preempt=False)
             if spent is None or not self._has_headroom(len(seqs)):
                 self._release(seqs)
                 del out.scheduled[mark:], out.copies[copies:]
@@ -190,18 +192,6 @@ class Scheduler:
         hit = self.kv.start_sequence(seq.seq_id, seq.token_ids, seq.cache_salt)
         seq.num_computed_tokens = hit
         return hit
-
-    def _reserve_all(self, seqs: list[Sequence], out: SchedulerOutput, budget: int) -> int | None:
-        spent = 0
-        for seq in seqs:
-            num_new = min(seq.num_uncomputed_tokens, budget - spent)
-            if num_new == 0:
-                continue
-            if not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new, out.copies):
-                return None
-            out.scheduled.append(ScheduledSeq(seq, num_new))
-            spent += num_new
-        return spent
 
     def _plan_samples(self, out: SchedulerOutput) -> None:
         """One row per sequence whose chunk completes it; a request's parallel samples fork from the

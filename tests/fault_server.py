@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from functools import wraps
 
-from pagedllm.entrypoints.cli import main
+from pagedllm.cli import main
 from pagedllm.entrypoints.llm import LLM
 
 

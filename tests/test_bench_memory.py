@@ -18,7 +18,7 @@ from pagedllm.benchmarks.memory import (
     trace_from_workload,
 )
 from pagedllm.benchmarks.workloads import SHARED_PREFIX_GROUPS, SHARED_PREFIX_LEN, make_workload
-from pagedllm.entrypoints.cli import main
+from pagedllm.cli import main
 
 _fresh_tokens = itertools.count()
 

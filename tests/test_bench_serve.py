@@ -12,7 +12,7 @@ import pytest
 from matplotlib.image import imread
 
 from pagedllm.benchmarks.serve import poisson_offsets
-from pagedllm.entrypoints.cli import main
+from pagedllm.cli import main
 from tests.test_server import ServerProcess, start_server, stop_server
 
 NUM_PROMPTS = 8

@@ -18,7 +18,7 @@ from pagedllm.benchmarks.throughput import (
     run_vllm,
 )
 from pagedllm.benchmarks.workloads import SHARED_PREFIX_LEN, WORKLOADS, make_workload
-from pagedllm.entrypoints.cli import main
+from pagedllm.cli import main
 from tests.conftest import save_tiny_llama
 
 

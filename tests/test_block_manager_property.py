@@ -10,6 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from pagedllm.kv.kv_cache_manager import KVCacheManager
 from pagedllm.kv.prefix_hash import ROOT_HASH, hash_blocks
+from tests.kv_invariants import check_kv_invariants
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 24
@@ -120,7 +121,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def ref_counts_match_tables_and_free_means_unreferenced(self) -> None:
-        self.kv.check_invariants()
+        check_kv_invariants(self.kv)
 
     @invariant()
     def every_block_is_accounted_for(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from pagedllm.entrypoints.cli import main
+from pagedllm.cli import main
 
 
 def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
@@ -47,8 +47,8 @@ def test_every_engine_option_is_a_flag_of_every_engine_command() -> None:
     default, and a flag sets the field (booleans get --no-... as well)."""
     from dataclasses import MISSING, fields
 
+    from pagedllm.cli import make_parser
     from pagedllm.config import EngineConfig, option_values
-    from pagedllm.entrypoints.cli import make_parser
 
     parser = make_parser()
     for command in ("generate", "chat", "serve"):

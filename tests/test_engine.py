@@ -8,6 +8,7 @@ import pytest
 
 from pagedllm import LLM, LLMEngine, SamplingParams
 from pagedllm.config import EngineConfig
+from tests.kv_invariants import check_kv_invariants
 
 
 @pytest.fixture(scope="module")
@@ -26,14 +27,14 @@ def greedy(max_tokens: int = 20, **kwargs) -> SamplingParams:
 
 def check_accounting(engine: LLMEngine) -> None:
     kv = engine.scheduler.kv
-    kv.check_invariants()
+    check_kv_invariants(kv)
     assert kv.pool.num_free + kv.pool.num_used == kv.num_blocks
     for group in engine.scheduler.running:
         for seq in group.live_seqs():
-            held = kv.block_table(seq.seq_id) if kv.holds(seq.seq_id) else []
-            assert len(held) * kv.block_size >= seq.num_computed_tokens
+            held = kv.seqs.get(seq.seq_id)
+            assert len(held.blocks if held else []) * kv.block_size >= seq.num_computed_tokens
     for group in engine.scheduler.waiting:
-        assert not any(kv.holds(seq.seq_id) for seq in group.live_seqs())
+        assert not any(seq.seq_id in kv.seqs for seq in group.live_seqs())
 
 
 def test_every_block_accounted_for_after_every_step_with_preemption(tiny_llama):

@@ -417,3 +417,18 @@ def test_sigterm_ends_in_flight_streams_cleanly_and_exits_0_within_10_s(tiny_lla
     assert '"finish_reason":"abort"' in seen[-2] or '"finish_reason":"length"' in seen[-2]
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{server.url}/health")
+
+
+def test_streamed_echo_survives_a_prompt_prefilled_in_chunks(tiny_llama, tmp_path):
+    """A prompt longer than the step's token budget is prefilled over several steps, each reported with
+    no new token; the echoed prompt must still open the stream."""
+    server = start_server(tiny_llama, tmp_path / "server.log", "--max-num-batched-tokens", "16")
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        prompt = "Hello world, " * 12
+        request = {"model": str(tiny_llama), "prompt": prompt, "max_tokens": 4, "temperature": 0}
+        plain = client.completions.create(**request).choices[0].text
+        streamed = client.completions.create(**request, echo=True, stream=True)
+        assert "".join(choice.text for chunk in streamed for choice in chunk.choices) == prompt + plain
+    finally:
+        assert stop_server(server) == 0, server.log.read_text()

@@ -129,24 +129,15 @@ class KVCacheManager:
     def free(self, seq_id: int) -> None:
         record = self.seqs.pop(seq_id, None)
         if record is not None and record.blocks:
-            self._pool_of(record).free(record.blocks)
+            pool = self.cpu_pool if record.swapped else self.pool
+            assert pool is not None
+            pool.free(record.blocks)
 
     def block_table(self, seq_id: int) -> list[int]:
         return self.seqs[seq_id].blocks
 
-    def holds(self, seq_id: int) -> bool:
-        """Whether the sequence holds blocks in the device pool."""
-        record = self.seqs.get(seq_id)
-        return record is not None and not record.swapped and bool(record.blocks)
-
     def reset_prefix_cache(self) -> None:
         self.pool.reset_cache()
-
-    def _pool_of(self, record: SeqBlocks) -> BlockPool:
-        if record.swapped:
-            assert self.cpu_pool is not None
-            return self.cpu_pool
-        return self.pool
 
     # ---- swapping -------------------------------------------------------------------------
 
@@ -200,27 +191,6 @@ class KVCacheManager:
         tables = [record.blocks for record in self.seqs.values() if not record.swapped]
         return sum(len(t) for t in tables) - len(_distinct(tables))
 
-    def check_invariants(self) -> None:
-        """Every block's ref count equals the number of tables holding it; free iff unreferenced."""
-        _check_pool(self.pool, [r.blocks for r in self.seqs.values() if not r.swapped])
-        if self.cpu_pool is not None:
-            _check_pool(self.cpu_pool, [r.blocks for r in self.seqs.values() if r.swapped])
-
 
 def _distinct(tables) -> list[int]:
     return list(dict.fromkeys(block for table in tables for block in table))
-
-
-def _check_pool(pool: BlockPool, tables: list[list[int]]) -> None:
-    holders = [0] * pool.num_blocks
-    for table in tables:
-        for block in table:
-            holders[block] += 1
-    for block, count in enumerate(holders):
-        if pool.ref_counts[block] != count:
-            raise AssertionError(f"block {block}: ref count {pool.ref_counts[block]}, held {count}")
-        if (count == 0) != pool.is_free(block):
-            raise AssertionError(f"block {block}: free={pool.is_free(block)} with {count} holders")
-    for block_hash, block in pool.cached.items():
-        if pool.block_hash[block] != block_hash:
-            raise AssertionError(f"block {block}: cache map and block hash disagree")

@@ -198,7 +198,7 @@ class Piece:
     completion: CompletionOutput
     text: str
     tokens: range
-    first: bool  # the completion's first piece
+    first: bool  # the first piece the client gets of this completion
 
     @classmethod
     def whole(cls, prompt_index: int, output: RequestOutput, completion: CompletionOutput) -> Piece:
@@ -223,11 +223,11 @@ async def stream_chunks(
     async for prompt_index, output in group:
         choices = []
         for completion in output.outputs:
-            key = (prompt_index, completion.index)
-            first = key not in cursors
-            moved = cursors.setdefault(key, _Cursor(holdback)).advance(completion)
-            made = None if moved is None else choice(Piece(prompt_index, output, completion, *moved, first))
+            cursor = cursors.setdefault((prompt_index, completion.index), _Cursor(holdback))
+            moved = cursor.advance(completion)
+            made = None if moved is None else choice(Piece(prompt_index, output, completion, *moved, not cursor.shown))
             if made is not None:
+                cursor.shown = True
                 choices.append(made)
         if choices:
             yield call.wrap(kind, choices)
@@ -246,6 +246,9 @@ class _Cursor:
     text_sent: int = 0
     tokens_sent: int = 0
     finished: bool = False
+    # Whether a choice went out yet: the first one carries the echoed prompt. Outputs of a prompt still
+    # being prefilled in chunks move nothing, and must not count as the first.
+    shown: bool = False
 
     def advance(self, completion: CompletionOutput) -> tuple[str, range] | None:
         """The text and token positions not sent yet, or None when nothing moved."""
