@@ -9,9 +9,12 @@ from pagedllm.kv.kv_cache_manager import KVCacheManager
 def check_kv_invariants(kv: KVCacheManager) -> None:
     """Every block's ref count equals the number of tables holding it; free iff unreferenced; the
     prefix-cache map and the blocks' hashes agree. Swapped tables are checked against the CPU pool."""
-    _check_pool(kv.pool, [record.blocks for record in kv.seqs.values() if not record.swapped])
+    _check_pool(kv.pool, [record.held for record in kv.seqs.values() if not record.swapped])
     if kv.cpu_pool is not None:
-        _check_pool(kv.cpu_pool, [record.blocks for record in kv.seqs.values() if record.swapped])
+        _check_pool(kv.cpu_pool, [record.held for record in kv.seqs.values() if record.swapped])
+    for record in kv.seqs.values():
+        assert record.blocks[: record.num_slid] == [-1] * record.num_slid, "slid entries must read -1"
+        assert all(block >= 0 for block in record.held), "only the leading entries may have slid"
 
 
 def _check_pool(pool: BlockPool, tables: list[list[int]]) -> None:

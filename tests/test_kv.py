@@ -93,3 +93,45 @@ def test_kv_pool_tensors_start_zeroed_in_the_documented_layout():
         assert k.shape == v.shape == (5, 4, 3, 8) and k.dtype == torch.bfloat16
         assert not k.any() and not v.any()
     assert shape.blocks_for_memory(10 * shape.bytes_per_block + 1) == 10
+
+
+def test_sliding_window_gives_back_blocks_every_query_has_passed():
+    """Window 8, blocks of 4: decoding a 200-token sequence holds at most 8 / 4 + 1 blocks at a time (plus
+    the one being written), and the blocks it gave back stay findable by the prefix cache."""
+    kv = KVCacheManager(num_blocks=64, block_size=4, sliding_window=8)
+    tokens = list(range(200))
+    assert kv.allocate_slots(1, 0, 12, [])  # a 12-token prompt: nothing has slid yet
+    kv.register_computed(1, tokens, 12)
+    held = []
+    for position in range(12, 200):
+        assert kv.allocate_slots(1, position, 1, [])
+        kv.register_computed(1, tokens, position + 1)
+        check_kv_invariants(kv)
+        held.append(len(kv.seqs[1].held))
+        # The next query (at `position`) sees positions position - 7 .. position: its blocks are all held.
+        first_needed = (position - 7) // 4
+        assert kv.seqs[1].num_slid <= first_needed
+        assert all(block >= 0 for block in kv.block_table(1)[first_needed:])
+    assert max(held) <= 8 // 4 + 2
+    assert kv.pool.num_used == len(kv.seqs[1].held)
+    # A new prompt with the same first 40 tokens finds their blocks again, slid or not.
+    kv.free(1)
+    assert kv.start_sequence(2, tokens[:41], None) == 40
+
+
+def test_sliding_window_forks_and_swaps_only_the_blocks_held():
+    kv = KVCacheManager(num_blocks=32, block_size=4, num_cpu_blocks=32, sliding_window=4)
+    assert kv.allocate_slots(1, 0, 20, [])
+    assert kv.allocate_slots(1, 20, 1, [])  # the query at 20 sees 17..20: blocks 0-3 slide
+    assert kv.seqs[1].num_slid == 4
+    kv.fork(1, 2)
+    check_kv_invariants(kv)
+    moved = kv.swap_out([1, 2])
+    assert len(moved) == len(kv.seqs[1].held) == 2  # shared blocks move once
+    check_kv_invariants(kv)
+    kv.swap_in([1, 2])
+    check_kv_invariants(kv)
+    assert kv.block_table(2)[:4] == [-1] * 4
+    kv.free(1)
+    kv.free(2)
+    assert kv.pool.num_used == 0

@@ -27,15 +27,29 @@ class SeqBlocks:
     hashes: list[bytes] = field(default_factory=list)  # chained hashes of its registered full blocks
     salt: str | None = None
     swapped: bool = False
+    # Leading entries given back because every layer's sliding window has passed them; they read -1.
+    num_slid: int = 0
+
+    @property
+    def held(self) -> list[int]:
+        return self.blocks[self.num_slid :]
 
 
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_cpu_blocks: int = 0
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        num_cpu_blocks: int = 0,
+        sliding_window: int = 0,
     ) -> None:
+        """`sliding_window` > 0: every layer attends to at most that many positions back, so blocks that
+        all of a sequence's next queries have slid past go back to the pool (as in vLLM v1)."""
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.cpu_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks else None
@@ -87,6 +101,8 @@ class KVCacheManager:
         of them lands in may be shared (after a fork): it is copied first, and the copy is appended
         to `copies`. False, with nothing changed, if the pool is short."""
         record = self.seqs.setdefault(seq_id, SeqBlocks())
+        if self.sliding_window:
+            self._slide(record, num_computed)
         table = record.blocks
         first = num_computed // self.block_size
         shared = first < len(table) and self.pool.ref_counts[table[first]] > 1
@@ -104,10 +120,19 @@ class KVCacheManager:
         record.num_tokens = num_computed + num_new
         return True
 
+    def _slide(self, record: SeqBlocks, num_computed: int) -> None:
+        """Free the blocks wholly before the window of the next query (at position `num_computed`): it
+        sees positions from num_computed - window + 1 on. They stay findable by the prefix cache."""
+        num_slid = min(max(num_computed - self.sliding_window + 1, 0) // self.block_size, len(record.blocks))
+        if num_slid > record.num_slid:
+            self.pool.free(record.blocks[record.num_slid : num_slid])
+            record.blocks[record.num_slid : num_slid] = [-1] * (num_slid - record.num_slid)
+            record.num_slid = num_slid
+
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares every block of the parent; the first write into a shared block copies it."""
         record = self.seqs[parent_id]
-        for block in record.blocks:
+        for block in record.held:
             self.pool.take(block)
         self.seqs[child_id] = replace(record, blocks=list(record.blocks), hashes=list(record.hashes))
 
@@ -128,10 +153,10 @@ class KVCacheManager:
 
     def free(self, seq_id: int) -> None:
         record = self.seqs.pop(seq_id, None)
-        if record is not None and record.blocks:
+        if record is not None and record.held:
             pool = self.cpu_pool if record.swapped else self.pool
             assert pool is not None
-            pool.free(record.blocks)
+            pool.free(record.held)
 
     def block_table(self, seq_id: int) -> list[int]:
         return self.seqs[seq_id].blocks
@@ -159,19 +184,19 @@ class KVCacheManager:
         return self._move(seq_ids, self.cpu_pool, self.pool, swapped=False)
 
     def _distinct(self, seq_ids: list[int]) -> list[int]:
-        return _distinct(self.seqs[s].blocks for s in seq_ids if s in self.seqs)
+        return _distinct(self.seqs[s].held for s in seq_ids if s in self.seqs)
 
     def _move(self, seq_ids: list[int], src: BlockPool, dst: BlockPool, swapped: bool) -> list[BlockPair]:
         """Re-home the tables of `seq_ids` from one pool to the other, each distinct block once."""
         records = [self.seqs.setdefault(seq_id, SeqBlocks()) for seq_id in seq_ids]
-        distinct = _distinct(record.blocks for record in records)
+        distinct = _distinct(record.held for record in records)
         mapping = dict(zip(distinct, dst.allocate(len(distinct)), strict=True))
         holders = dict.fromkeys(mapping.values(), 0)
         for record in records:
-            src.free(record.blocks)
-            record.blocks = [mapping[block] for block in record.blocks]
+            src.free(record.held)
+            record.blocks[record.num_slid :] = [mapping[block] for block in record.held]
             record.swapped = swapped
-            for block in record.blocks:
+            for block in record.held:
                 holders[block] += 1
         for block, count in holders.items():  # allocate gave one reference; each further holder takes one more
             for _ in range(count - 1):
@@ -184,11 +209,12 @@ class KVCacheManager:
         """Tokens stored over the slots of the blocks that hold them: the η of the PagedAttention paper.
         A token in a shared block counts once per sequence that reads it, so sharing can push η above 1."""
         used = self.pool.num_used
-        held = sum(record.num_tokens for record in self.seqs.values() if not record.swapped)
+        live = [record for record in self.seqs.values() if not record.swapped]
+        held = sum(record.num_tokens - record.num_slid * self.block_size for record in live)
         return held / (used * self.block_size) if used and held else 0.0
 
     def blocks_saved_by_sharing(self) -> int:
-        tables = [record.blocks for record in self.seqs.values() if not record.swapped]
+        tables = [record.held for record in self.seqs.values() if not record.swapped]
         return sum(len(t) for t in tables) - len(_distinct(tables))
 
 
