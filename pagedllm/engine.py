@@ -47,12 +47,13 @@ class LLMEngine:
             raise ValueError(f"kv_cache_memory is too small for one block of {shape.bytes_per_block} bytes")
         swap_bytes = int(config.swap_space * (1 << 30)) if config.preemption_mode == "swap" else 0
         num_cpu_blocks = shape.blocks_for_memory(swap_bytes)
-        self.max_model_len = _max_model_len(self.loaded, config, num_blocks)
+        window = _kv_window(self.loaded)
+        self.max_model_len = _max_model_len(self.loaded, config, num_blocks, window)
         self.vocab_size = self.loaded.config.vocab_size
         eos_ids = _eos_ids(self.loaded)
         self.sequences = SequenceFactory(config.seed)
         self.scheduler = Scheduler(
-            KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks),
+            KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks, window),
             config.max_num_seqs,
             config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
             config.preemption_mode,
@@ -211,23 +212,31 @@ class LLMEngine:
         return self.scheduler.stats(self._num_steps, dict(self._step_seconds))
 
 
+def _kv_window(loaded: LoadedModel) -> int:
+    """The window past which no layer looks back, when every layer slides (Mistral, Mixtral); 0 when any
+    layer is global (Gemma's global layers need every block)."""
+    windows = loaded.model.sliding_windows
+    return max(windows) if min(windows) > 0 else 0
+
+
 def _kv_shape(loaded: LoadedModel, config: EngineConfig) -> KVShape:
-    attn = loaded.model.layers[0].self_attn
+    model = loaded.model
     return KVShape(
-        num_layers=len(loaded.model.layers),
-        num_kv_heads=attn.num_kv_heads,
-        head_dim=attn.head_dim,
+        num_layers=model.num_layers,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
         block_size=config.block_size,
         dtype=config.torch_dtype,
     )
 
 
-def _max_model_len(loaded: LoadedModel, config: EngineConfig, num_blocks: int) -> int:
+def _max_model_len(loaded: LoadedModel, config: EngineConfig, num_blocks: int, window: int) -> int:
     """The model's own limit, or the user's if smaller. If the user asks for more than the pool
-    holds, requests that need more than the pool are refused one by one when they arrive."""
+    holds, requests that need more than the pool are refused one by one when they arrive. Where every
+    layer slides, a sequence holds only its window's blocks, and the pool sets no limit."""
     model_limit = loaded.config.max_position_embeddings
     if config.max_model_len is None:
-        return min(model_limit, num_blocks * config.block_size)
+        return model_limit if window else min(model_limit, num_blocks * config.block_size)
     if config.max_model_len > model_limit:
         raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit of {model_limit}")
     return config.max_model_len

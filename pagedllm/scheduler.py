@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import defaultdict, deque
 
 from pagedllm.beam_search import Candidate, FinishedBeam
-from pagedllm.kv.kv_cache_manager import KVCacheManager, blocks_needed
+from pagedllm.kv.kv_cache_manager import KVCacheManager
 from pagedllm.outputs import EngineStats
 from pagedllm.request import SequenceGroup
 from pagedllm.sequence import Sequence, SequenceFactory, SequenceStatus
@@ -52,8 +52,8 @@ class Scheduler:
 
     def check_fits(self, num_tokens: int) -> None:
         """Refuse a request that could never run: it needs more blocks than the whole pool."""
-        if not self.kv.can_ever_fit(num_tokens):
-            need = blocks_needed(num_tokens, self.kv.block_size)
+        need = self.kv.blocks_to_hold(num_tokens, self.max_num_batched_tokens)
+        if need > self.kv.num_blocks:
             raise ValueError(f"request needs {need} KV blocks but the whole pool has {self.kv.num_blocks}")
 
     def add(self, group: SequenceGroup) -> None:

@@ -88,3 +88,39 @@ def tiny_llama_tied_gqa8(tmp_path_factory) -> Path:
             "original_max_position_embeddings": 128,
         },
     )
+
+
+def save_tiny_model(folder: Path, model_type: str, seed: int = 0, **overrides) -> Path:
+    """A tiny random model of any transformers `model_type` (e.g. "qwen3", "gemma2") saved as an HF
+    folder with the small BPE tokenizer: 2 layers, hidden 64, GQA 4/2, wide random weights; `overrides`
+    set the family's options (window, soft-caps, experts ...)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tokenizer = build_tokenizer()
+    settings = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    settings.update(overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **settings), dtype=torch.float32)
+    with torch.no_grad():
+        # Norm weights start at 1 (or 0 for Gemma's `1 + w`); random ones tell the norms apart.
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(torch.randn_like(param) * 0.2)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -181,7 +181,7 @@ def test_engine_call_runs_the_kernel_for_prefill_and_decode(monkeypatch):
     # once for the whole batch, whole prompts included, rather than torch's attention.
     calls = []
     kernel = cpu.attend
-    monkeypatch.setattr(cpu, "attend", lambda *args: calls.append(args) or kernel(*args))
+    monkeypatch.setattr(cpu, "attend", lambda *args, **options: calls.append(args) or kernel(*args, **options))
     case = make_case(16, 9, 3, 64, torch.bfloat16, [50, 9, 30], [50, 1, 4], unused=float("nan"))
     query, k_cache, v_cache, tables, lens, starts = case
     metadata = AttentionMetadata.build(tables, lens, starts, 16, "cpu")
@@ -221,3 +221,183 @@ def test_native_kernel_builds_here_and_leaves_float_state_alone():
     # A library linked with -ffast-math would switch the whole process to flush-to-zero.
     smallest_subnormal = 5e-324
     assert smallest_subnormal * 2 > 0
+
+
+# Sliding windows and logit soft-capping (Mistral, Gemma 2/3), against the reference: the query at position p
+# sees p - window < j <= p, and each scaled logit s becomes softcap * tanh(s / softcap).
+# Decode tokens (lengths below, at and past the windows), a chunk after a prefix, a whole prompt, a long chunk.
+WINDOW_LENS, WINDOW_QUERY_LENS = [1, 37, 40, 100, 80, 300], [1, 1, 1, 5, 80, 120]
+# (window, softcap): window 1, smaller than every context, one sequence's length (37, and 16 = a block), larger
+# than every context; soft-capping alone and with windows.
+WINDOW_OPTIONS = [(1, 0.0), (5, 0.0), (16, 0.0), (37, 0.0), (1000, 0.0), (0, 5.0), (6, 2.0), (37, 30.0)]
+
+
+def free_slid_blocks(tables, lens, query_lens, window, block_size, fill=-1):
+    """What the engine does to blocks every query of a sequence has slid past: the block-table entries of
+    blocks wholly before the window start of each sequence's first query token of the step become `fill`
+    (-1, or a stale block id). Returns how many entries were replaced."""
+    replaced = 0
+    for s, (seq_len, q_len) in enumerate(zip(lens, query_lens, strict=True)):
+        window_start = max(0, seq_len - q_len - window + 1) if window > 0 else 0
+        tables[s, : window_start // block_size] = fill
+        replaced += window_start // block_size
+    return replaced
+
+
+def check_options(case, dtype, monkeypatch, implementation, window, softcap, query_scale=1.0, tolerance=None):
+    use(implementation, monkeypatch)
+    query, k_cache, v_cache, tables, lens, starts = case
+    query = (query.float() * query_scale).to(dtype)
+    scale = query.shape[-1] ** -0.5
+    options = {"window": window, "softcap": softcap}
+    expected = paged_attention(query, k_cache, v_cache, tables, lens, starts, scale, backend="reference", **options)
+    got = paged_attention(query, k_cache, v_cache, tables, lens, starts, scale, backend="cpu", **options)
+    atol, rtol = tolerance or TOLERANCE[dtype]
+    torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=rtol)
+    return expected
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 4, 64), (9, 3, 64), (8, 1, 128)])
+@pytest.mark.parametrize(("window", "softcap"), WINDOW_OPTIONS, ids=lambda v: str(v))
+def test_windows_and_softcap_match_reference(
+    monkeypatch, implementation, dtype, block_size, num_heads, num_kv_heads, head_dim, window, softcap
+):
+    case = make_case(
+        block_size,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        dtype,
+        WINDOW_LENS,
+        WINDOW_QUERY_LENS,
+        seed=7,
+        unused=UNUSED_SLOTS[implementation],
+    )
+    # Blocks behind every window are freed: their entries hold -1, which no backend may read.
+    replaced = free_slid_blocks(case[3], WINDOW_LENS, WINDOW_QUERY_LENS, window, block_size)
+    assert (replaced > 0) == (0 < window < 300)
+    expected = check_options(case, dtype, monkeypatch, implementation, window, softcap)
+    if window == 1:  # a decode token sees itself only: its output is its own value row
+        query, k_cache, v_cache, tables, lens, starts = case
+        for s in range(3):  # the first three sequences are decode tokens
+            position = int(lens[s]) - 1
+            own = v_cache[tables[s, position // block_size], position % block_size]
+            own = own.float().repeat_interleave(num_heads // num_kv_heads, dim=0)
+            torch.testing.assert_close(expected[int(starts[s])].float(), own, atol=1e-6, rtol=0)
+
+
+def test_reference_agrees_with_transformers():
+    # The semantics, from transformers itself: the sliding-window causal mask function (Mistral, Gemma 2/3)
+    # and Gemma 2's eager attention with `attn_logit_softcapping`, for a chunk of 7 queries after 30 cached
+    # positions, through shuffled blocks.
+    from types import SimpleNamespace
+
+    from transformers.masking_utils import sliding_window_causal_mask_function
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    window, softcap, block_size, num_heads, num_kv_heads, head_dim = 5, 2.0, 4, 6, 2, 16
+    query, k_cache, v_cache, tables, lens, starts = make_case(
+        block_size, num_heads, num_kv_heads, head_dim, torch.float32, [37], [7], seed=10
+    )
+    scale = head_dim**-0.5
+    got = paged_attention(
+        query, k_cache, v_cache, tables, lens, starts, scale, backend="reference", window=window, softcap=softcap
+    )
+    positions = torch.arange(37)
+    keys = k_cache[tables[0, positions // block_size].long(), positions % block_size]  # [37, H_kv, D]
+    values = v_cache[tables[0, positions // block_size].long(), positions % block_size]
+    allowed = sliding_window_causal_mask_function(window)
+    mask = allowed(0, 0, torch.arange(30, 37)[:, None], torch.arange(37)[None, :])  # [7 queries, 37 keys]
+    additive = torch.zeros(1, 1, 7, 37).masked_fill(~mask, torch.finfo(torch.float32).min)
+    module = SimpleNamespace(num_key_value_groups=num_heads // num_kv_heads, training=False, head_dim=head_dim)
+    expected, _ = eager_attention_forward(
+        module,
+        query.transpose(0, 1)[None],
+        keys.transpose(0, 1)[None],
+        values.transpose(0, 1)[None],
+        additive,
+        scaling=scale,
+        softcap=softcap,
+    )
+    assert int(mask[0].sum()) == window  # the window counts the query's own position
+    torch.testing.assert_close(got, expected[0], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("block_size", [1, 16, 24])
+@pytest.mark.parametrize(("window", "softcap"), [(1, 0.0), (19, 0.0), (50, 0.0), (33, 20.0)], ids=lambda v: str(v))
+def test_window_prefill_tiles_and_stale_blocks(monkeypatch, implementation, dtype, block_size, window, softcap):
+    # Long prompts and chunks (several query tiles per KV head, each starting its walk at its own first
+    # row's window) and decode tokens; the freed entries point at a stale block full of NaN, which a kernel
+    # that read it, even masked, would spread (0 x NaN). A block size of 24 is no multiple of a chunk.
+    lens, query_lens = [333, 200, 57, 500, 64], [333, 90, 1, 1, 64]
+    case = make_case(block_size, 9, 3, 64, dtype, lens, query_lens, seed=8, unused=UNUSED_SLOTS[implementation])
+    query, k_cache, v_cache, tables, _, _ = case
+    stale = next(b for b in range(1, k_cache.shape[0]) if not bool((tables == b).any()))
+    k_cache[stale], v_cache[stale] = float("nan"), float("nan")
+    assert free_slid_blocks(tables, lens, query_lens, window, block_size, fill=stale) > 0
+    check_options(case, dtype, monkeypatch, implementation, window, softcap)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_freed_entries_far_out_of_range_are_never_read(monkeypatch, implementation, dtype):
+    # A block id far past the pool: the C kernels would fault on it, torch's index_select raise.
+    lens, query_lens = [300, 150, 81], [1, 40, 81]
+    case = make_case(1, 9, 3, 64, dtype, lens, query_lens, seed=11, unused=UNUSED_SLOTS[implementation])
+    assert free_slid_blocks(case[3], lens, query_lens, 20, 1, fill=2**31 - 1) > 0
+    check_options(case, dtype, monkeypatch, implementation, 20, 0.0)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("lens", [[700], [700, 33, 5]], ids=["one", "three"])
+def test_a_few_windowed_decode_tokens_alone(monkeypatch, implementation, dtype, lens):
+    # Split by KV head (few items), a window that starts mid-block, -1 before it.
+    case = make_case(16, 9, 3, 64, dtype, lens, [1] * len(lens), seed=9, unused=UNUSED_SLOTS[implementation])
+    free_slid_blocks(case[3], lens, [1] * len(lens), 100, 16)
+    check_options(case, dtype, monkeypatch, implementation, 100, 0.0)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("window", [0, 24])
+def test_softcap_bounds_large_scores(monkeypatch, implementation, dtype, window):
+    # Scores in the hundreds are capped at +-softcap: the capped softmax is far from the plain one, and stays
+    # exact where tanh saturates.
+    case = make_case(16, 9, 3, 64, dtype, [200, 97], [1, 97], seed=5, unused=UNUSED_SLOTS[implementation])
+    capped = check_options(case, dtype, monkeypatch, implementation, window, 10.0, query_scale=40.0)
+    query, k_cache, v_cache, tables, lens, starts = case
+    query = (query.float() * 40.0).to(dtype)
+    plain = paged_attention(query, k_cache, v_cache, tables, lens, starts, 0.125, backend="reference", window=window)
+    assert (capped.float() - plain.float()).abs().max() > 0.1
+
+
+def test_kernel_tanh_is_accurate():
+    x = torch.cat([torch.linspace(-20, 20, 400_001), torch.logspace(-30, 1, 10_000), -torch.logspace(-30, 1, 10_000)])
+    exact = torch.tanh(x.double())
+    got = cpu.kernel_tanh(x).double()
+    assert float(((got - exact).abs() / exact.abs().clamp_min(1e-38)).max()) < 3e-7
+    assert cpu.kernel_tanh(torch.tensor([float("inf"), -float("inf"), 0.0])).tolist() == [1.0, -1.0, 0.0]
+
+
+def test_window_and_softcap_reach_every_backend_call(monkeypatch):
+    # The engine's per-layer call passes them as keywords; the C kernel gets them in one call.
+    calls = []
+    kernel = cpu.attend
+    monkeypatch.setattr(cpu, "attend", lambda *args, **kw: calls.append(kw) or kernel(*args, **kw))
+    case = make_case(16, 9, 3, 64, torch.bfloat16, [50, 9, 30], [50, 1, 4], unused=float("nan"))
+    query, k_cache, v_cache, tables, lens, starts = case
+    metadata = AttentionMetadata.build(tables, lens, starts, 16, "cpu")
+    got = get_backend(None, "cpu")(query, k_cache, v_cache, metadata, 0.125, window=8, softcap=3.0)
+    expected = paged_attention(
+        query, k_cache, v_cache, tables, lens, starts, 0.125, backend="reference", window=8, softcap=3.0
+    )
+    assert calls == [{"window": 8, "softcap": 3.0}]
+    torch.testing.assert_close(got.float(), expected.float(), atol=1e-2, rtol=1e-2)
+    with pytest.raises(ValueError, match="window and softcap"):
+        paged_attention(query, k_cache, v_cache, tables, lens, starts, 0.125, window=-1)

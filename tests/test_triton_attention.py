@@ -76,14 +76,15 @@ def make_case(
     return tuple(t.to(DEVICE) for t in (query, k_cache, v_cache, tables, lens, starts))
 
 
-def reference(case: tuple[torch.Tensor, ...]) -> torch.Tensor:
+def reference(case: tuple[torch.Tensor, ...], **options: float) -> torch.Tensor:
+    """The reference, with the same `window` and `softcap` options if any."""
     query, k_cache, v_cache, tables, lens, starts = (t.cpu() for t in case)
     scale = query.shape[-1] ** -0.5
-    return paged_attention(query, k_cache, v_cache, tables, lens, starts, scale, backend="reference")
+    return paged_attention(query, k_cache, v_cache, tables, lens, starts, scale, backend="reference", **options)
 
 
-def triton_attend(case: tuple[torch.Tensor, ...], scale: float, **options: int) -> torch.Tensor:
-    """The Triton backend's call, with its options (`partition_size`, `version`)."""
+def triton_attend(case: tuple[torch.Tensor, ...], scale: float, **options: float) -> torch.Tensor:
+    """The Triton backend's call, with its options (`partition_size`, `version`, `window`, `softcap`)."""
     query, k_cache, v_cache, tables, lens, starts = case
     metadata = AttentionMetadata.build(tables, lens, starts, k_cache.shape[1], DEVICE)
     return triton_ops.attend(query, k_cache, v_cache, metadata, scale, **options)
@@ -166,6 +167,77 @@ def test_block_size_that_is_not_a_power_of_two():
     assert_matches(got, reference(case))
 
 
+def free_slid_blocks(case: tuple[torch.Tensor, ...], window: int, fill: int = -1) -> int:
+    """What the engine does to the blocks every query of a sequence has slid past: the block-table entries
+    of blocks wholly before the window start of each sequence's first query token become `fill` (-1, or a
+    stale block id). Returns how many entries were replaced."""
+    _, k_cache, _, tables, lens, starts = case
+    block_size, replaced = k_cache.shape[1], 0
+    for s, seq_len in enumerate(lens.tolist()):
+        first_position = seq_len - int(starts[s + 1] - starts[s])
+        freed = max(0, first_position - window + 1) // block_size if window > 0 else 0
+        tables[s, :freed] = fill
+        replaced += freed
+    return replaced
+
+
+# (window, softcap): window 1, smaller than every context, one sequence's length (17), larger than every
+# context; soft-capping alone and with a window.
+WINDOW_OPTIONS = [(1, 0.0), (6, 0.0), (17, 0.0), (1000, 0.0), (0, 5.0), (6, 2.0)]
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("heads", [(4, 4, 64), (9, 3, 64)], ids=lambda h: f"h{h[0]}kv{h[1]}d{h[2]}")
+@pytest.mark.parametrize(("window", "softcap"), WINDOW_OPTIONS, ids=lambda v: str(v))
+def test_windows_and_softcap_match_reference(block_size, heads, window, softcap):
+    # Decode tokens, a chunk after a prefix that spans two q-blocks of group 3 (the second walks from its own
+    # first row's window), a whole prompt; the blocks behind every window are freed (-1 in the table).
+    lens, query_lens = [1, 17, 45, 60, 24], [1, 1, 1, 30, 24]
+    case = make_case(block_size, heads, torch.float32, lens, query_lens, seed=7)
+    assert (free_slid_blocks(case, window) > 0) == (0 < window < max(lens))
+    options = {"window": window, "softcap": softcap}
+    expected = reference(case, **options)
+    scale = heads[2] ** -0.5
+    assert_matches(paged_attention(*case, scale, backend="triton", **options), expected)
+    query, k_cache, v_cache, tables, seq_lens, starts = case
+    one_launch = torch.empty_like(query)
+    metadata = AttentionMetadata.build(tables, seq_lens, starts, block_size, DEVICE)
+    triton_ops.mixed(query, k_cache, v_cache, metadata, one_launch, scale, **options)
+    assert_matches(one_launch, expected)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize(("window", "softcap"), [(1, 0.0), (40, 0.0), (1000, 0.0), (40, 3.0)], ids=lambda v: str(v))
+def test_windowed_decode_kernels_match_reference(version, dtype, block_size, window, softcap):
+    # v2 counts its partitions from each sequence's window start: a window of 40 over partitions of 32
+    # positions makes two of them, the second partial; freed entries point at a stale block full of NaN,
+    # which a kernel that read it, even masked, would spread (0 x NaN).
+    lens = edge_lengths(block_size)
+    case = make_case(block_size, (9, 3, 64), dtype, lens, [1] * len(lens), seed=1)
+    k_cache, v_cache, tables = case[1], case[2], case[3]
+    stale = next(b for b in range(k_cache.shape[0]) if not bool((tables == b).any()))
+    k_cache[stale], v_cache[stale] = float("nan"), float("nan")
+    assert (free_slid_blocks(case, window, fill=stale) > 0) == (window < 100)
+    options = {"window": window, "softcap": softcap}
+    got = triton_attend(case, 0.125, partition_size=SMALL_PARTITION, version=version, **options)
+    expected = paged_attention(*(t.cpu() for t in case), 0.125, backend="reference", **options)
+    assert_matches(got, expected)
+
+
+def test_windowed_decode_version_counts_the_window_only(monkeypatch):
+    # A window of one partition: one pass, however long the context.
+    chosen = []
+    rule = triton_ops.choose_decode_version
+    monkeypatch.setattr(triton_ops, "choose_decode_version", lambda *args: chosen.append(args) or rule(*args))
+    case = make_case(16, (4, 2, 64), torch.float32, [300, 17], [1, 1], seed=3)
+    free_slid_blocks(case, SMALL_PARTITION)
+    got = triton_attend(case, 0.125, partition_size=SMALL_PARTITION, window=SMALL_PARTITION)
+    assert chosen == [(SMALL_PARTITION, 2, 4, SMALL_PARTITION)]
+    assert_matches(got, paged_attention(*case, 0.125, backend="reference", window=SMALL_PARTITION))
+
+
 @pytest.mark.parametrize(
     ("max_seq_len", "num_seqs", "num_heads", "version"),
     [
@@ -226,13 +298,19 @@ dtype, precision = sys.argv[1], sys.argv[2]
 geometry = T.Geometry(group=4, head_dim=128, block_size=16, dot_precision=precision)
 decode = {"GROUP": 4, "GROUP_PAD": geometry.group_pad, **geometry.constexprs()}
 mixed = {"GROUP": 4, "BLOCK_M": T.MIXED_BLOCK_M, "BLOCK_Q": T.MIXED_BLOCK_M // 4, **geometry.constexprs()}
-kernels = [
-    (T._decode_kernel, {"PARTITIONED": False, "PARTITION": 512, **decode}, geometry.decode_num_warps),
-    (T._decode_kernel, {"PARTITIONED": True, "PARTITION": 512, **decode}, geometry.decode_num_warps),
-    (T._merge_partitions_kernel, {"PARTITION": 512, "PARTS_PAD": 16, "HEAD_DIM": 128, "HEAD_PAD": 128}, 4),
-    (T._mixed_kernel, mixed, T.MIXED_NUM_WARPS),
-    (T._write_kv_kernel, {"NUM_KV_HEADS": 8, "HEADS_PAD": 8, "HEAD_DIM": 128, "HEAD_PAD": 128, "BLOCK_SIZE": 16}, 4),
-]
+merge = {"PARTITION": 512, "PARTS_PAD": 16, "HEAD_DIM": 128, "HEAD_PAD": 128}
+write = {"NUM_KV_HEADS": 8, "HEADS_PAD": 8, "HEAD_DIM": 128, "HEAD_PAD": 128, "BLOCK_SIZE": 16}
+kernels = [(T._write_kv_kernel, write, 4)]
+# Plain, windowed, soft-capped, both.
+for windowed, softcap in ((False, False), (True, False), (False, True), (True, True)):
+    options = {"WINDOWED": windowed, "SOFTCAP": softcap}
+    kernels += [
+        (T._decode_kernel, {"PARTITIONED": False, "PARTITION": 512, **decode, **options}, geometry.decode_num_warps),
+        (T._decode_kernel, {"PARTITIONED": True, "PARTITION": 512, **decode, **options}, geometry.decode_num_warps),
+        (T._mixed_kernel, {**mixed, **options}, T.MIXED_NUM_WARPS),
+    ]
+    if not softcap:
+        kernels.append((T._merge_partitions_kernel, {**merge, "WINDOWED": windowed}, 4))
 DATA = {"q_ptr", "k_ptr", "v_ptr", "out_ptr", "key_ptr", "value_ptr", "k_cache_ptr", "v_cache_ptr"}
 STATS = {"m_out_ptr", "l_out_ptr", "acc_out_ptr", "m_ptr", "l_ptr", "acc_ptr"}
 
@@ -244,7 +322,7 @@ def arg_type(name):
         return "*fp32"
     if name.endswith("_ptr"):
         return "*i64" if name == "slots_ptr" else "*i32"
-    return "fp32" if name == "qk_scale" else "i32"
+    return "fp32" if name in ("qk_scale", "cap_in", "cap_out") else "i32"
 
 
 for kernel, constants, warps in kernels:

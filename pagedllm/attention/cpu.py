@@ -4,7 +4,8 @@ CPU path falls back to the torch backend (see `dispatch`).
 
 One call attends every sequence of a step (decode tokens and prefill chunks) in place through the block
 table. bf16 runs the AVX512-BF16 kernel where the compiler targets it (this machine's `-march=native`)
-and the head dim is a multiple of 32; everything else runs the portable C kernel.
+and the head dim is a multiple of 32; everything else runs the portable C kernel. A sliding window or
+soft-capping runs each kernel's general specialization; without them the plain one runs, unchanged.
 
 Set PAGEDLLM_NATIVE=0 to disable it (see `pagedllm.native`).
 """
@@ -24,7 +25,18 @@ _FAST_BF16 = "paged_attention_bf16_avx512"  # only built where the compiler targ
 # The C side's limits: MAX_HEAD_DIM, and MAX_ITEM_ROWS query heads per KV head.
 MAX_HEAD_DIM = 256
 MAX_GROUP = 64
-_ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5 + [ctypes.c_float]
+# query, k_cache, v_cache, block_tables, table_stride, seq_lens, query_start_loc, out, num_seqs, num_heads,
+# num_kv_heads, head_dim, block_size, scale, window, softcap
+_ARGTYPES = [
+    *[ctypes.c_void_p] * 4,
+    ctypes.c_int64,
+    *[ctypes.c_void_p] * 3,
+    *[ctypes.c_int64] * 5,
+    ctypes.c_float,
+    ctypes.c_int64,
+    ctypes.c_float,
+]
+_TANH = "paged_attention_tanh"  # the kernels' tanh, exported for the tests
 
 
 @cache
@@ -37,7 +49,19 @@ def library() -> ctypes.CDLL | None:
             kernel = getattr(lib, name)
             kernel.argtypes = _ARGTYPES
             kernel.restype = None
+    getattr(lib, _TANH).argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    getattr(lib, _TANH).restype = None
     return lib
+
+
+def kernel_tanh(x: torch.Tensor) -> torch.Tensor:
+    """The soft-capping tanh of the C kernels, elementwise over float32 `x` (for the tests)."""
+    lib = library()
+    assert lib is not None
+    x = x.detach().to(torch.float32).contiguous()
+    out = torch.empty_like(x)
+    getattr(lib, _TANH)(x.data_ptr(), out.data_ptr(), x.numel())
+    return out
 
 
 def has_fast_bf16() -> bool:
@@ -65,10 +89,20 @@ def kernel_name(dtype: torch.dtype, head_dim: int) -> str:
 
 
 def attend(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """The causal attention of every sequence's query tokens in one kernel call: token j of sequence s, at
-    position `seq_lens[s] - q_len + j`, over positions 0..that one. Only for tensors `supports` accepts."""
+    position p = `seq_lens[s] - q_len + j`, over positions 0..p, or with a `window` W > 0 over p - W + 1..p
+    only (block-table entries of blocks wholly before the window of the sequence's first query token are
+    never read); `softcap` c > 0 turns each scaled logit s into c * tanh(s / c). Only for tensors
+    `supports` accepts."""
     lib = library()
     assert lib is not None
     query = query.contiguous()
@@ -90,5 +124,7 @@ def attend(
         head_dim,
         block_size,
         scale,
+        int(window),
+        float(softcap),
     )
     return out

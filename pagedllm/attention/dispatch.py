@@ -1,8 +1,12 @@
 """Which attention backend runs where, and the calls the rest of the project makes.
 
-Backends, each `attend(query, k_cache, v_cache, metadata, scale)`: "triton" (the GPU default, imported on
-first use because triton is optional on the CPU), "cpu" (the C kernel; tensors or machines it cannot take
-go to torch), "torch" (the fallback without a compiler) and "reference" (for tests)."""
+Backends, each `attend(query, k_cache, v_cache, metadata, scale, *, window=0, softcap=0.0)`: "triton" (the
+GPU default, imported on first use because triton is optional on the CPU), "cpu" (the C kernel; tensors or
+machines it cannot take go to torch), "torch" (the fallback without a compiler) and "reference" (for
+tests). `window` W > 0 is a sliding window (the query at position p sees p - W < j <= p) and `softcap`
+c > 0 soft-caps the scaled logits (s -> c * tanh(s / c)), as Hugging Face transformers computes them; 0
+turns either off. With a window, no backend reads a block-table entry of a block that lies wholly before
+the window start of its sequence's first query token of the step: the engine frees those blocks."""
 
 from __future__ import annotations
 
@@ -15,11 +19,18 @@ from pagedllm.attention.metadata import AttentionMetadata, Backend
 
 
 def _c_kernel_or_torch(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     if cpu.supports(query, k_cache):
-        return cpu.attend(query, k_cache, v_cache, metadata, scale)
-    return torch_ops.attend(query, k_cache, v_cache, metadata, scale)
+        return cpu.attend(query, k_cache, v_cache, metadata, scale, window=window, softcap=softcap)
+    return torch_ops.attend(query, k_cache, v_cache, metadata, scale, window=window, softcap=softcap)
 
 
 def get_backend(name: str | None, device: torch.device | str, *, partition_size: int | None = None) -> Backend:
@@ -67,9 +78,14 @@ def paged_attention(
     *,
     backend: str | None = None,
     partition_size: int | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention of a flat batch of S sequences through their block tables (see DESIGN.md), in one call:
-    the metadata the engine builds once per step, then the backend's `attend`."""
+    the metadata the engine builds once per step, then the backend's `attend`. `window` and `softcap` as
+    in this module's docstring (0: off)."""
+    if window < 0 or softcap < 0:
+        raise ValueError(f"window and softcap must be >= 0 (0 is off), got {window!r} and {softcap!r}")
     metadata = AttentionMetadata.build(block_tables, seq_lens, query_start_loc, k_cache.shape[1], query.device)
     attend = get_backend(backend, query.device, partition_size=partition_size)
-    return attend(query, k_cache, v_cache, metadata, scale)
+    return attend(query, k_cache, v_cache, metadata, scale, window=window, softcap=softcap)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar, cast
+from typing import Protocol, TypeVar, cast
 
 import torch
 
@@ -91,6 +91,19 @@ class AttentionMetadata:
         return cast(T, self._derived[name])
 
 
-# The call every attention backend answers: (query [T, H, D], k_cache, v_cache, metadata, scale) -> [T, H, D],
-# with caches `[num_blocks, block_size, H_kv, D]`.
-Backend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+class Backend(Protocol):
+    """The call every attention backend answers: (query [T, H, D], k_cache, v_cache, metadata, scale) ->
+    [T, H, D], with caches `[num_blocks, block_size, H_kv, D]`; a layer's sliding `window` (positions
+    p - window < j <= p, 0: none) and logit `softcap` (s -> softcap * tanh(s / softcap), 0: none)."""
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        *,
+        window: int = 0,
+        softcap: float = 0.0,
+    ) -> torch.Tensor: ...

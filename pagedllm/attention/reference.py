@@ -1,32 +1,55 @@
-"""The obviously-correct paged attention: one query token at a time, in float32. Kept for tests."""
+"""The obviously-correct paged attention: one query token at a time, in float32. Kept for tests.
+
+A sliding `window` W > 0 and logit soft-capping `softcap` c > 0 as Hugging Face transformers computes them
+(`masking_utils.sliding_window_causal_mask_function`, Gemma 2's `eager_attention_forward`): the query at
+position p sees key positions p - W < j <= p, and its scaled logits s become c * tanh(s / c) before the
+mask and the softmax."""
 
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
 
 
-def gather_sequence(cache: torch.Tensor, block_row: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` positions of one sequence, read through its block-table row: [length, H_kv, D]."""
+def gather_sequence(cache: torch.Tensor, block_row: torch.Tensor, length: int, start: int = 0) -> torch.Tensor:
+    """Positions `start..length` of one sequence, read through its block-table row: [length - start, H_kv, D].
+    Only the entries of the blocks holding those positions are read."""
     block_size = cache.shape[1]
-    positions = torch.arange(length)
+    positions = torch.arange(start, length)
     blocks = block_row.long()[positions // block_size]
     return cache[blocks, positions % block_size]
 
 
 def attend(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     out = torch.empty_like(query)
     group = query.shape[1] // k_cache.shape[2]
     starts, lens = metadata.query_start_loc.tolist(), metadata.seq_lens.tolist()
     for s, seq_len in enumerate(lens):
         start, end = starts[s], starts[s + 1]
-        keys = gather_sequence(k_cache, metadata.block_tables[s], seq_len).float().repeat_interleave(group, dim=1)
-        values = gather_sequence(v_cache, metadata.block_tables[s], seq_len).float().repeat_interleave(group, dim=1)
+        if end == start:
+            continue
+        # Read only from the window start of the sequence's first query token: blocks before it may be freed.
+        first_position = seq_len - (end - start)
+        lowest = max(0, first_position - window + 1) if window > 0 else 0
+        table = metadata.block_tables[s]
+        keys = gather_sequence(k_cache, table, seq_len, lowest).float().repeat_interleave(group, dim=1)
+        values = gather_sequence(v_cache, table, seq_len, lowest).float().repeat_interleave(group, dim=1)
         for j in range(end - start):
-            visible = seq_len - (end - start) + j + 1
+            position = first_position + j
+            visible_from = max(0, position - window + 1) if window > 0 else 0
             q = query[start + j].float()  # [H, D]
-            scores = torch.einsum("hd,lhd->hl", q, keys[:visible]) * scale
+            seen = slice(visible_from - lowest, position + 1 - lowest)
+            scores = torch.einsum("hd,lhd->hl", q, keys[seen]) * scale
+            if softcap > 0:
+                scores = softcap * torch.tanh(scores / softcap)
             weights = torch.softmax(scores, dim=-1)
-            out[start + j] = torch.einsum("hl,lhd->hd", weights, values[:visible]).to(query.dtype)
+            out[start + j] = torch.einsum("hl,lhd->hd", weights, values[seen]).to(query.dtype)
     return out

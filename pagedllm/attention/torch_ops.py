@@ -4,7 +4,11 @@ table with torch ops, everything in float32 scores and softmax.
 Decode tokens are padded into length-sorted groups of 16 sequences; each group's blocks are gathered whole
 into buffers reused across layers and steps (a fresh allocation per layer pays its page faults again), and
 its grouped heads are scored as one batched matmul against a block-diagonal query (`matmul` on permuted
-heads copies). A prefill chunk reads its whole context from the cache and applies a causal mask."""
+heads copies). A prefill chunk reads its whole context from the cache and applies a causal mask.
+
+With a sliding window, each sequence's blocks are gathered from the block holding the window start of its
+first query token (the blocks before it may be freed: their table entries are never read), and the
+positions before each query's window are masked; soft-capping is applied to the scaled scores."""
 
 from __future__ import annotations
 
@@ -47,44 +51,80 @@ class DecodeGroup:
 
     token_index: torch.Tensor  # [S] rows of the flat batch
     block_ids: torch.Tensor  # [S * max_blocks] (padding points at block 0 and is masked out)
-    invalid: torch.Tensor  # [S, max_blocks * block_size, 1] True past each sequence's end
+    invalid: torch.Tensor  # [S, max_blocks * block_size, 1] True before each one's window and past its end
 
 
-def decode_groups(metadata: AttentionMetadata) -> list[DecodeGroup]:
-    """The step's decode sequences, sorted by length and cut into padded groups."""
+def window_start(position: int, window: int) -> int:
+    """The first position a query at `position` sees."""
+    return max(0, position - window + 1) if window > 0 else 0
+
+
+def decode_groups(metadata: AttentionMetadata, window: int = 0) -> list[DecodeGroup]:
+    """The step's decode sequences, sorted by how many blocks they read and cut into padded groups."""
     batch = metadata.decode
     if batch is None:
         return []
-    lens = batch.seq_lens.tolist()
-    order = sorted(range(len(lens)), key=lens.__getitem__)
+    lens, block_size = batch.seq_lens.tolist(), metadata.block_size
+    first_blocks = [window_start(n - 1, window) // block_size for n in lens]
+    counts = [-(-n // block_size) - first for n, first in zip(lens, first_blocks, strict=True)]
+    order = sorted(range(len(lens)), key=counts.__getitem__)
     return [
-        _group(batch, order[i : i + DECODE_GROUP_SIZE], metadata.block_size)
+        _group(batch, order[i : i + DECODE_GROUP_SIZE], block_size, window)
         for i in range(0, len(order), DECODE_GROUP_SIZE)
     ]
 
 
-def _group(batch: DecodeRows, rows: list[int], block_size: int) -> DecodeGroup:
+def _group(batch: DecodeRows, rows: list[int], block_size: int, window: int) -> DecodeGroup:
     index = torch.tensor(rows, dtype=torch.long)
     group_lens = batch.seq_lens[index].long()
-    max_blocks = -(-int(group_lens.max()) // block_size)
-    block_ids = batch.block_tables[index, :max_blocks].reshape(-1).long()
-    invalid = torch.arange(max_blocks * block_size)[None, :] >= group_lens[:, None]
+    if window <= 0:
+        max_blocks = -(-int(group_lens.max()) // block_size)
+        block_ids = batch.block_tables[index, :max_blocks].reshape(-1).long()
+        invalid = torch.arange(max_blocks * block_size)[None, :] >= group_lens[:, None]
+        return DecodeGroup(batch.rows[index].long(), block_ids, invalid[:, :, None])
+    # Each sequence's blocks from the one holding its window start: the entries before it are never read.
+    starts = (group_lens - window).clamp_min(0)
+    first_blocks = starts // block_size
+    counts = (group_lens + block_size - 1) // block_size - first_blocks
+    max_blocks = int(counts.max())
+    columns = first_blocks[:, None] + torch.arange(max_blocks)[None, :]
+    used = columns < (first_blocks + counts)[:, None]
+    tables = batch.block_tables[index].long()
+    block_ids = torch.where(used, tables.gather(1, torch.where(used, columns, 0)), 0).reshape(-1)
+    positions = first_blocks[:, None] * block_size + torch.arange(max_blocks * block_size)[None, :]
+    invalid = (positions < starts[:, None]) | (positions >= group_lens[:, None])
     return DecodeGroup(batch.rows[index].long(), block_ids, invalid[:, :, None])
 
 
 def attend(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    for group in metadata.derived("torch_decode_groups", decode_groups):
-        out[group.token_index] = _attend_decode(query, k_cache, v_cache, group, scale)
+    window = max(int(window), 0)
+    groups = metadata.derived(f"torch_decode_groups/{window}", lambda m: decode_groups(m, window))
+    for group in groups:
+        out[group.token_index] = _attend_decode(query, k_cache, v_cache, group, scale, softcap)
     for chunk in metadata.prefills:
-        out[chunk.rows] = _attend_chunk(query[chunk.rows], k_cache, v_cache, chunk, scale)
+        out[chunk.rows] = _attend_chunk(query[chunk.rows], k_cache, v_cache, chunk, scale, window, softcap)
     return out
 
 
+def _cap(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    """Soft-capping of scaled scores in place: s -> softcap * tanh(s / softcap) (off at 0)."""
+    if softcap > 0:
+        scores.div_(softcap).tanh_().mul_(softcap)
+    return scores
+
+
 def _attend_decode(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup, scale: float
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup, scale: float, softcap: float
 ) -> torch.Tensor:
     num_seqs, padded_len = group.invalid.shape[0], group.invalid.shape[1]
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
@@ -94,12 +134,18 @@ def _attend_decode(
     keys, values = keys.view(num_seqs, padded_len, -1), values.view(num_seqs, padded_len, -1)
     q = query.index_select(0, group.token_index)  # [S, H, D]
     if num_kv_heads <= MAX_KV_HEADS_BLOCK_DIAGONAL:
-        return _decode_block_diagonal(q, keys, values, group.invalid, num_kv_heads, scale)
-    return _decode_per_kv_head(q, keys, values, group.invalid, num_kv_heads, scale)
+        return _decode_block_diagonal(q, keys, values, group.invalid, num_kv_heads, scale, softcap)
+    return _decode_per_kv_head(q, keys, values, group.invalid, num_kv_heads, scale, softcap)
 
 
 def _decode_block_diagonal(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, invalid: torch.Tensor, num_kv_heads: int, scale: float
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    invalid: torch.Tensor,
+    num_kv_heads: int,
+    scale: float,
+    softcap: float,
 ) -> torch.Tensor:
     """keys/values `[S, L, H_kv*D]` as stored. Each query head is placed in the rows of its KV head
     (zeros elsewhere), so one batched matmul scores all heads on contiguous memory."""
@@ -110,7 +156,7 @@ def _decode_block_diagonal(
     for kv_head in range(num_kv_heads):
         block_q[:, kv_head, :, kv_head, :] = grouped[:, kv_head].transpose(1, 2)
     scores = torch.bmm(keys.float(), block_q.view(num_seqs, -1, num_heads).float()).mul_(scale)  # [S, L, H]
-    scores.masked_fill_(invalid, float("-inf"))
+    _cap(scores, softcap).masked_fill_(invalid, float("-inf"))
     weights = torch.softmax(scores, dim=1)
     # [S, H, H_kv*D]: keep each head's own KV head
     mixed = torch.bmm(weights.transpose(1, 2), values.float()).to(q.dtype)
@@ -119,7 +165,13 @@ def _decode_block_diagonal(
 
 
 def _decode_per_kv_head(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, invalid: torch.Tensor, num_kv_heads: int, scale: float
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    invalid: torch.Tensor,
+    num_kv_heads: int,
+    scale: float,
+    softcap: float,
 ) -> torch.Tensor:
     num_seqs, num_heads, head_dim = q.shape
     group = num_heads // num_kv_heads
@@ -130,26 +182,38 @@ def _decode_per_kv_head(
     mask = invalid.view(num_seqs, 1, -1)
     for kv_head in range(num_kv_heads):
         scores = torch.bmm(grouped[:, kv_head].float(), keys[:, :, kv_head].transpose(1, 2).float()).mul_(scale)
-        scores.masked_fill_(mask, float("-inf"))
+        _cap(scores, softcap).masked_fill_(mask, float("-inf"))
         out[:, kv_head] = torch.bmm(torch.softmax(scores, dim=-1), values[:, :, kv_head].float())
     return out.view(num_seqs, num_heads, head_dim)
 
 
 def _attend_chunk(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chunk: PrefillChunk, scale: float
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    chunk: PrefillChunk,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """A chunk's query j sits at position seq_len - q_len + j (after the cached tokens, if any)."""
+    """A chunk's query j sits at position seq_len - q_len + j (after the cached tokens, if any). With a
+    window, its context is read from the block holding the first query's window start."""
     q_len, seq_len = query.shape[0], chunk.seq_len
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     group = query.shape[1] // num_kv_heads
-    block_ids = chunk.block_tables[0, : -(-seq_len // block_size)]
-    keys = k_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:seq_len]
-    values = v_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[:seq_len]
+    first_block = window_start(seq_len - q_len, window) // block_size
+    lowest = first_block * block_size
+    block_ids = chunk.block_tables[0, first_block : -(-seq_len // block_size)]
+    keys = k_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[: seq_len - lowest]
+    values = v_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[: seq_len - lowest]
     q = query.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, -1, head_dim)
     scores = torch.matmul(q.float(), keys.permute(1, 2, 0).float()).mul_(scale).view(num_kv_heads, group, q_len, -1)
-    key_positions = torch.arange(seq_len)
+    key_positions = torch.arange(lowest, seq_len)
     query_positions = torch.arange(seq_len - q_len, seq_len)
-    scores.masked_fill_(key_positions[None, :] > query_positions[:, None], float("-inf"))
+    hidden = key_positions[None, :] > query_positions[:, None]
+    if window > 0:
+        hidden |= key_positions[None, :] <= query_positions[:, None] - window
+    _cap(scores, softcap).masked_fill_(hidden, float("-inf"))
     weights = torch.softmax(scores, dim=-1).view(num_kv_heads, group * q_len, -1)
     out = torch.matmul(weights, values.transpose(0, 1).float()).view(num_kv_heads * group, q_len, head_dim)
     return out.transpose(0, 1).to(query.dtype)

@@ -17,6 +17,13 @@ Keys and values are read in tiles of TILE positions whose blocks are looked up p
 the block table, so the tile width does not depend on the block size (1, 16, 32, or not a power of two).
 Logits are kept in base 2 (scaled by log2 e) so the softmax uses exp2, the GPU's native exponential.
 
+A sliding window (WINDOWED, with the runtime `window` W: position p sees p - W < j <= p) moves each walk's
+start to the window start of its earliest query row, so a decode token walks O(W) positions (its v2
+partitions are counted from there) and no block-table entry before that is read: the engine frees those
+blocks. A mixed program's rows also mask the positions before their own window start. Soft-capping
+(SOFTCAP, with runtime `cap_in` = scale / c and `cap_out` = c log2 e) turns each logit into
+c tanh(s / c) before the mask. Both flags are constexpr: without them the kernels compile as before.
+
 Dot products take float32 operands: float32 caches use exact IEEE products; bf16/fp16 values are exact
 in TF32, so TF32 tensor cores give them exact products with float32 accumulation, and the softmax
 weights keep 10 mantissa bits instead of bf16's 7. (Triton's interpreter also multiplies bf16 operands
@@ -86,10 +93,51 @@ class Geometry:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class Options:
+    """A layer's sliding window and soft-capping, as the kernels take them: constexpr flags (the plain
+    kernels compile as if they did not exist) and runtime values (one compilation serves every window)."""
+
+    window: int
+    softcap: float
+    scale: float
+
+    def runtime(self) -> tuple[int, float, float]:
+        """window, cap_in = scale / softcap, cap_out = softcap * log2 e (the logits' base-2 scale)."""
+        if self.softcap > 0:
+            return self.window, self.scale / self.softcap, self.softcap * LOG2E
+        return self.window, 0.0, 0.0
+
+    def constexprs(self) -> dict[str, bool]:
+        return {"WINDOWED": self.window > 0, "SOFTCAP": self.softcap > 0}
+
+    def context(self, max_seq_len: int) -> int:
+        """The most positions one decode token walks."""
+        return min(max_seq_len, self.window) if self.window > 0 else max_seq_len
+
+
 def choose_decode_version(max_seq_len: int, num_seqs: int, num_heads: int, partition_size: int) -> int:
     one_partition = max_seq_len <= partition_size
     enough_programs = num_seqs * num_heads > V1_MIN_PARALLELISM
     return 1 if max_seq_len <= V1_MAX_CONTEXT and (one_partition or enough_programs) else 2
+
+
+@triton.jit
+def _tanh(x):
+    """tanh from exp2, as the C kernels compute it: below |x| = 0.5 its odd Taylor series to x^13, above
+    (1 - e) / (1 + e) with e = exp(-2|x|), so that neither side cancels much."""
+    a = tl.abs(x)
+    x2 = x * x
+    p = 21844.0 / 6081075.0
+    p = p * x2 - 1382.0 / 155925.0
+    p = p * x2 + 62.0 / 2835.0
+    p = p * x2 - 17.0 / 315.0
+    p = p * x2 + 2.0 / 15.0
+    p = p * x2 - 1.0 / 3.0
+    series = x + x * x2 * p
+    e = tl.exp2(a * (-2.0 * 1.4426950408889634))
+    large = (1.0 - e) / (1.0 + e)
+    return tl.where(a < 0.5, series, tl.where(x < 0, -large, large))
 
 
 @triton.jit
@@ -101,8 +149,11 @@ def _attend(
     head_offset,
     start,
     end,
+    lowest,
     limit,
     qk_scale,
+    cap_in,
+    cap_out,
     stride_b,
     stride_t,
     dims,
@@ -112,10 +163,13 @@ def _attend(
     BLOCK_SIZE: tl.constexpr,
     TILE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    ROW_WINDOWS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
-    """Attend the rows of `q` to positions [start, end) of one sequence, row r to those below limit[r];
-    `table_ptr` points at the sequence's block-table row. Returns the running max logit (base 2), exp-sum
-    and unnormalized output of each row."""
+    """Attend the rows of `q` to positions [start, end) of one sequence, row r to those below limit[r] and,
+    with ROW_WINDOWS, not below lowest[r]; `table_ptr` points at the sequence's block-table row, read only
+    for positions in [start, end). SOFTCAP: logits tanh(dot * cap_in) * cap_out instead of dot * qk_scale.
+    Returns the running max logit (base 2), exp-sum and unnormalized output of each row."""
     m = tl.full([ROWS], float("-inf"), tl.float32)
     sums = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, HEAD_PAD], tl.float32)
@@ -126,8 +180,14 @@ def _attend(
         offsets = block * stride_b + (pos % BLOCK_SIZE) * stride_t + head_offset
         kv_mask = in_range[:, None] & dim_ok[None, :]
         k = tl.load(k_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        scores = tl.where(in_range[None, :] & (pos[None, :] < limit[:, None]), scores, float("-inf"))
+        if SOFTCAP:
+            scores = _tanh(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * cap_in) * cap_out
+        else:
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        visible = in_range[None, :] & (pos[None, :] < limit[:, None])
+        if ROW_WINDOWS:
+            visible = visible & (pos[None, :] >= lowest[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
         # A row that has seen no visible position yet keeps m = -inf; subtracting 0 instead keeps
         # exp2 away from -inf - (-inf) = NaN, and its weights are 0 either way.
@@ -167,6 +227,9 @@ def _decode_kernel(
     seq_lens_ptr,
     rows_ptr,
     qk_scale,
+    window,
+    cap_in,
+    cap_out,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -186,14 +249,21 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """v1 (one pass over the whole context, normalized into `out`) or, PARTITIONED, v2 (one partition per
-    program: partial results to m/l `[S, H, num_parts]` and acc `[S, H, num_parts, HEAD_DIM]`, float32)."""
+    program: partial results to m/l `[S, H, num_parts]` and acc `[S, H, num_parts, HEAD_DIM]`, float32).
+    WINDOWED: the context, and partition 0, start at the window start seq_len - window (or 0)."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    start = part * PARTITION if PARTITIONED else 0
+    if WINDOWED:
+        first = tl.maximum(seq_len - window, 0)
+        start = first + part * PARTITION if PARTITIONED else first
+    else:
+        start = part * PARTITION if PARTITIONED else 0
     if start >= seq_len:
         return
     end = tl.minimum(start + PARTITION, seq_len) if PARTITIONED else seq_len
@@ -203,6 +273,7 @@ def _decode_kernel(
     q, heads, member_ok = _load_group_query(q_ptr, row, kv_head, stride_qt, stride_qh, dims, dim_ok, GROUP, GROUP_PAD)
     limit = seq_len + tl.zeros([GROUP_PAD], tl.int32)
     table_ptr = tables_ptr + seq.to(tl.int64) * stride_table
+    # One query position: its window is the walk's start, so no row needs a mask of its own.
     m, sums, acc = _attend(
         q,
         k_ptr,
@@ -212,7 +283,10 @@ def _decode_kernel(
         start,
         end,
         limit,
+        limit,
         qk_scale,
+        cap_in,
+        cap_out,
         stride_b,
         stride_t,
         dims,
@@ -222,6 +296,8 @@ def _decode_kernel(
         BLOCK_SIZE,
         TILE,
         DOT_PRECISION,
+        False,
+        SOFTCAP,
     )
     mask = member_ok[:, None] & dim_ok[None, :]
     if PARTITIONED:
@@ -243,6 +319,7 @@ def _merge_partitions_kernel(
     acc_ptr,
     seq_lens_ptr,
     rows_ptr,
+    window,
     stride_ot,
     stride_oh,
     num_heads,
@@ -251,12 +328,15 @@ def _merge_partitions_kernel(
     PARTS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):
     """One program per (sequence, query head): the log-sum-exp merge of its partitions."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    used = tl.cdiv(seq_len, PARTITION)
+    # Partitions count from the window start (seq_len - window, or 0).
+    context = tl.minimum(seq_len, window) if WINDOWED else seq_len
+    used = tl.cdiv(context, PARTITION)
     base = (seq.to(tl.int64) * num_heads + head) * num_parts
     parts = tl.arange(0, PARTS_PAD)
     part_ok = parts < used
@@ -302,6 +382,9 @@ def _mixed_kernel(
     query_start_loc_ptr,
     num_seqs,
     qk_scale,
+    window,
+    cap_in,
+    cap_out,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -318,8 +401,12 @@ def _mixed_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
-    """Row r of a program is query token r // GROUP of its q-block, query head r % GROUP of its KV head."""
+    """Row r of a program is query token r // GROUP of its q-block, query head r % GROUP of its KV head.
+    WINDOWED: the walk starts at the window start of the program's first token, and each row masks the
+    positions before its own."""
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = _find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
@@ -341,6 +428,12 @@ def _mixed_kernel(
     q = tl.load(q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=mask, other=0.0)
     limit = context + token + 1
     end = context + tl.minimum(q_len, first + BLOCK_Q)
+    if WINDOWED:
+        lowest = tl.maximum(limit - window, 0)
+        start = tl.maximum(context + first + 1 - window, 0)
+    else:
+        lowest = limit
+        start = 0
     table_ptr = tables_ptr + seq.to(tl.int64) * stride_table
     m, sums, acc = _attend(
         q.to(tl.float32),
@@ -348,10 +441,13 @@ def _mixed_kernel(
         v_ptr,
         table_ptr,
         kv_head * stride_h,
-        0,
+        start,
         end,
+        lowest,
         limit,
         qk_scale,
+        cap_in,
+        cap_out,
         stride_b,
         stride_t,
         dims,
@@ -361,6 +457,8 @@ def _mixed_kernel(
         BLOCK_SIZE,
         TILE,
         DOT_PRECISION,
+        WINDOWED,
+        SOFTCAP,
     )
     out = acc / tl.where(sums > 0, sums, 1.0)[:, None]
     ptrs = out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
@@ -453,20 +551,30 @@ def decode(
     *,
     partition_size: int = DEFAULT_PARTITION_SIZE,
     version: int | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     """One query token per sequence: write into `out[rows[s]]` the attention of `query[rows[s]]` over the
-    first `seq_lens[s]` positions of sequence s. `version` 1 or 2 forces a kernel; None applies the rule."""
+    first `seq_lens[s]` positions of sequence s (its last `window` ones, if > 0). `version` 1 or 2 forces a
+    kernel; None applies the rule to the positions walked."""
     _check_caches(k_cache, v_cache)
     if version not in (None, 1, 2):
         raise ValueError(f"version must be 1, 2 or None, got {version!r}")
     query = _rows_contiguous(query)
-    block_tables, seq_lens, rows, max_seq_len = batch.block_tables, batch.seq_lens, batch.rows, batch.max_seq_len
+    block_tables, seq_lens, rows = batch.block_tables, batch.seq_lens, batch.rows
+    options = Options(window, softcap, scale)
+    max_seq_len = options.context(batch.max_seq_len)
     num_seqs, num_heads = seq_lens.shape[0], query.shape[1]
     version = version or choose_decode_version(max_seq_len, num_seqs, num_heads, partition_size)
     geometry = Geometry.of(query, k_cache)
     query_strides = (query.stride(0), query.stride(1))
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
-    specialize = {"GROUP": geometry.group, "GROUP_PAD": geometry.group_pad, **geometry.constexprs()}
+    specialize = {
+        "GROUP": geometry.group,
+        "GROUP_PAD": geometry.group_pad,
+        **geometry.constexprs(),
+        **options.constexprs(),
+    }
     partitioned = version == 2
     num_parts = triton.cdiv(max_seq_len, partition_size) if partitioned else 1
     # v1 writes `out` directly; its partial-result arguments are never read.
@@ -484,6 +592,7 @@ def decode(
         seq_lens,
         rows,
         scale * LOG2E,
+        *options.runtime(),
         *query_strides,
         out.stride(0),
         out.stride(1),
@@ -504,6 +613,7 @@ def decode(
         partial,
         seq_lens,
         rows,
+        window,
         out.stride(0),
         out.stride(1),
         num_heads,
@@ -512,6 +622,7 @@ def decode(
         PARTS_PAD=triton.next_power_of_2(num_parts),
         HEAD_DIM=geometry.head_dim,
         HEAD_PAD=geometry.head_pad,
+        WINDOWED=window > 0,
     )
 
 
@@ -522,9 +633,14 @@ def mixed(
     batch: AttentionMetadata | PrefillChunk,
     out: torch.Tensor,
     scale: float,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
-    """Any flat batch (prefill chunks after cached prefixes, decode tokens) into `out`, causal per sequence."""
+    """Any flat batch (prefill chunks after cached prefixes, decode tokens) into `out`, causal per sequence
+    (within a sliding `window` if > 0, logits soft-capped by `softcap` if > 0)."""
     _check_caches(k_cache, v_cache)
+    options = Options(window, softcap, scale)
     query = _rows_contiguous(query)
     block_tables, seq_lens, query_start_loc = batch.block_tables, batch.seq_lens, batch.query_start_loc
     geometry = Geometry.of(query, k_cache)
@@ -542,6 +658,7 @@ def mixed(
         query_start_loc,
         num_seqs,
         scale * LOG2E,
+        *options.runtime(),
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -554,6 +671,7 @@ def mixed(
         BLOCK_M=block_m,
         BLOCK_Q=block_q,
         **geometry.constexprs(),
+        **options.constexprs(),
         num_warps=MIXED_NUM_WARPS,
     )
 
@@ -567,12 +685,26 @@ def attend(
     *,
     partition_size: int = DEFAULT_PARTITION_SIZE,
     version: int | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """The step's decode tokens in one decode launch (v1 or v2, which `version` may force), each prefill
-    chunk in a mixed launch of its own. Every tensor they read was put on the device by the metadata."""
+    chunk in a mixed launch of its own. Every tensor they read was put on the device by the metadata.
+    `window` > 0: a sliding window of that many positions; `softcap` > 0: soft-capped logits."""
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    options = {"window": max(int(window), 0), "softcap": max(float(softcap), 0.0)}
     if metadata.decode is not None:
-        decode(query, k_cache, v_cache, metadata.decode, out, scale, partition_size=partition_size, version=version)
+        decode(
+            query,
+            k_cache,
+            v_cache,
+            metadata.decode,
+            out,
+            scale,
+            partition_size=partition_size,
+            version=version,
+            **options,
+        )
     for chunk in metadata.prefills:
-        mixed(query[chunk.rows], k_cache, v_cache, chunk, out[chunk.rows], scale)
+        mixed(query[chunk.rows], k_cache, v_cache, chunk, out[chunk.rows], scale, **options)
     return out

@@ -1,10 +1,10 @@
 /*
- * The Llama layer's element-wise work, fused: RMSNorm (optionally after the residual add), SiLU(gate)
- * times up, and rotary embedding. Unfused, torch makes 4-8 passes over each [tokens, hidden] tensor
- * per op (float copies, pow, mean, mul, cast), which cost about a sixth of a 2048-token prefill step
- * on two cores. Every result is rounded to the tensor's dtype exactly where the torch reference
- * (transformers' Llama) rounds, so bf16 outputs match it bit for bit up to the float32 summation
- * order of the norm and a 2e-7 relative error in exp.
+ * The decoder layer's element-wise work, fused: RMSNorm (optionally after the residual add; Llama's
+ * `w * x` or Gemma's `(1 + w) * x`), SiLU(gate) times up, and rotary embedding. Unfused, torch makes
+ * 4-8 passes over each [tokens, hidden] tensor per op (float copies, pow, mean, mul, cast), which cost
+ * about a sixth of a 2048-token prefill step on two cores. Every result is rounded to the tensor's
+ * dtype exactly where the torch reference (transformers' Llama, Gemma) rounds, so bf16 outputs match
+ * it bit for bit up to the float32 summation order of the norm and a 2e-7 relative error in exp.
  *
  * Built at first use by pagedllm.native and called through ctypes from pagedllm.models.fused.
  */
@@ -30,9 +30,10 @@ static inline float silu(float x) {
 
 #define DEFINE_FUSED(SUFFIX, T, LOAD, STORE)                                                             \
     /* out = weight * round(x * rsqrt(mean(x^2) + eps)); with `residual`, x = round(x + residual) is  \
-     * computed first and written back to `residual` (the stream the next layer adds to). */          \
-    void rms_norm_##SUFFIX(const T *x, T *residual, const T *weight, T *out, int64_t rows,          \
-                           int64_t dim, float eps) {                                                  \
+     * computed first and written back to `residual` (the stream the next layer adds to). With        \
+     * `offset` (Gemma): out = round(x * rsqrt(mean(x^2) + eps) * (1 + weight)), all in float32. */  \
+    static inline void rms_norm_any_##SUFFIX(const T *x, T *residual, const T *weight, T *out,        \
+                                             int64_t rows, int64_t dim, float eps, int offset) {      \
         _Pragma("omp parallel for schedule(static)")                                                  \
         for (int64_t r = 0; r < rows; r++) {                                                          \
             const T *src = x + r * dim;                                                               \
@@ -52,10 +53,24 @@ static inline float silu(float x) {
                 for (int64_t i = 0; i < dim; i++) sum += LOAD(src[i]) * LOAD(src[i]);                 \
             }                                                                                         \
             const float inv = 1.f / sqrtf(sum / (float)dim + eps);                                    \
-            _Pragma("omp simd")                                                                       \
-            for (int64_t i = 0; i < dim; i++)                                                         \
-                dst[i] = STORE(LOAD(weight[i]) * LOAD(STORE(LOAD(src[i]) * inv)));                    \
+            if (offset) {                                                                             \
+                _Pragma("omp simd")                                                                   \
+                for (int64_t i = 0; i < dim; i++)                                                     \
+                    dst[i] = STORE((LOAD(src[i]) * inv) * (1.f + LOAD(weight[i])));                   \
+            } else {                                                                                  \
+                _Pragma("omp simd")                                                                   \
+                for (int64_t i = 0; i < dim; i++)                                                     \
+                    dst[i] = STORE(LOAD(weight[i]) * LOAD(STORE(LOAD(src[i]) * inv)));                \
+            }                                                                                         \
         }                                                                                             \
+    }                                                                                                 \
+    void rms_norm_##SUFFIX(const T *x, T *residual, const T *weight, T *out, int64_t rows,          \
+                           int64_t dim, float eps) {                                                  \
+        rms_norm_any_##SUFFIX(x, residual, weight, out, rows, dim, eps, 0);                           \
+    }                                                                                                 \
+    void rms_norm_offset_##SUFFIX(const T *x, T *residual, const T *weight, T *out, int64_t rows,   \
+                                  int64_t dim, float eps) {                                           \
+        rms_norm_any_##SUFFIX(x, residual, weight, out, rows, dim, eps, 1);                           \
     }                                                                                                 \
                                                                                                       \
     /* gate_up [rows, 2 * dim] -> out [rows, dim] = round(round(silu(gate)) * up). */                 \

@@ -21,6 +21,17 @@
  *  - portable C, for float32 and for machines without AVX512-BF16: the same online softmax on floats.
  * Both are compiled wherever the compiler can, so the tests run both on an AVX512-BF16 machine.
  *
+ * Two per-layer options, as Hugging Face computes them (Mistral and Gemma sliding windows, Gemma 2's
+ * logit soft-capping):
+ *  - `window` W > 0: the query at position p sees positions p - W < j <= p only. An item's walk starts
+ *    at the block holding its earliest row's window start (so O(W) for a decode token, and a block
+ *    table entry before that block, which the engine may have freed and set to -1, is never read);
+ *    each row masks the positions of its first chunks below its own window start.
+ *  - `softcap` c > 0: the scaled logit s becomes c * tanh(s / c) before the mask and the softmax.
+ * Each item is compiled three times, the mode a constant: PLAIN (neither option: the code of before they
+ * existed, its hot loop free of their branches), WINDOWED (a window, no soft-capping) and CAPPED
+ * (soft-capping, with or without a window).
+ *
  * Built at first use by pagedllm.native (-O3 -march=native, the safe parts of fast-math) and called
  * through ctypes from pagedllm.attention.cpu.
  */
@@ -34,6 +45,10 @@
 #include "exp2.h"
 
 #define CHUNK 16
+/* An item's mode (see the top). */
+#define PLAIN 0
+#define WINDOWED 1
+#define CAPPED 2
 #define MAX_HEAD_DIM 256
 /* A prefill item holds about this many query rows: enough to amortize loading (and, on the AVX512
  * path, transposing) a chunk of K/V, small enough that a long prompt still makes many items. */
@@ -53,6 +68,8 @@ typedef struct {
     const int32_t *block_tables, *seq_lens, *query_start_loc;
     int64_t table_stride, num_heads, num_kv_heads, head_dim, block_size;
     float scale_log2e; /* softmax in base 2: exp(x * scale) = exp2(x * scale * log2 e) */
+    int64_t window;        /* 0: no sliding window */
+    float cap_in, cap_out; /* soft-capping (mode CAPPED): logit (base 2) = tanh(dot * cap_in) * cap_out */
 } Batch;
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -65,6 +82,19 @@ static int by_cost_descending(const void *a, const void *b) {
 
 static inline int64_t q_len_of(const Batch *b, int64_t seq) {
     return b->query_start_loc[seq + 1] - b->query_start_loc[seq];
+}
+
+/* The first position a query at `position` sees: its window start, or 0 without a window. */
+static inline int64_t window_start(const Batch *b, int64_t position) {
+    const int64_t start = position - b->window + 1;
+    return b->window > 0 && start > 0 ? start : 0;
+}
+
+/* Where the walk of a sequence's query rows from `position` on starts: the window start of the
+ * earliest of them, rounded down to its block. Every block-table entry read from there on is live. */
+static inline int64_t walk_start(const Batch *b, int64_t position) {
+    const int64_t start = window_start(b, position);
+    return start - start % b->block_size;
 }
 
 static int64_t count_items(const Batch *b, int64_t num_seqs, int64_t tile, int64_t kv_per_decode_item) {
@@ -95,7 +125,8 @@ static Item *build_items(const Batch *b, int64_t num_seqs, int64_t *num_items) {
         const int64_t q_len = q_len_of(b, s), kv_step = q_len == 1 ? kv_per_decode_item : 1;
         for (int64_t t = 0; t < q_len; t += tile) {
             const int64_t end = t + tile < q_len ? t + tile : q_len;
-            const int64_t chunks = (b->seq_lens[s] - q_len + end - 1) / CHUNK + 1;
+            const int64_t first = b->seq_lens[s] - q_len + t;
+            const int64_t chunks = (first + end - t - 1 - walk_start(b, first)) / CHUNK + 1;
             for (int64_t h = 0; h < b->num_kv_heads; h += kv_step) {
                 const int64_t kv_end = h + kv_step < b->num_kv_heads ? h + kv_step : b->num_kv_heads;
                 items[n++] = (Item){(int32_t)s, (int32_t)t, (int32_t)end, (int32_t)h, (int32_t)kv_end,
@@ -115,13 +146,14 @@ typedef struct {
     int64_t position, len, block, offset, block_size, width;
 } Cursor;
 
-static inline Cursor cursor_start(const Batch *b, const Item *it) {
-    return (Cursor){b->block_tables + it->seq * b->table_stride, 0, b->seq_lens[it->seq], 0, 0, b->block_size,
-                    b->num_kv_heads * b->head_dim};
+/* From position `start`, a multiple of the block size. */
+static inline Cursor cursor_start(const Batch *b, const Item *it, int64_t start) {
+    return (Cursor){b->block_tables + it->seq * b->table_stride, start, b->seq_lens[it->seq], start / b->block_size,
+                    0, b->block_size, b->num_kv_heads * b->head_dim};
 }
 
 /* The offsets (in elements) of the next CHUNK positions' rows (KV head 0), or -1 past the end. */
-static inline void cursor_next(Cursor *c, int64_t rows[CHUNK]) {
+static inline __attribute__((always_inline)) void cursor_next(Cursor *c, int64_t rows[CHUNK]) {
     for (int p = 0; p < CHUNK; p++) {
         rows[p] = c->position < c->len ? ((int64_t)c->table[c->block] * c->block_size + c->offset) * c->width : -1;
         c->position++;
@@ -168,13 +200,14 @@ static inline int64_t query_row_offset(const Batch *b, const Item *it, int64_t r
 }
 
 /* The position of query row r: it sees positions 0..this one. */
-static inline int64_t query_row_position(const Batch *b, const Item *it, int64_t r) {
+static inline __attribute__((always_inline)) int64_t query_row_position(const Batch *b, const Item *it, int64_t r) {
     const int64_t group = b->num_heads / b->num_kv_heads;
     return b->seq_lens[it->seq] - q_len_of(b, it->seq) + it->token_begin + r % rows_per_kv_head(b, it) / group;
 }
 
-static inline int64_t item_chunks(const Batch *b, const Item *it) {
-    return (b->seq_lens[it->seq] - q_len_of(b, it->seq) + it->token_end - 1) / CHUNK + 1;
+/* The chunks an item walks from position `start` (0, or its walk_start). */
+static inline int64_t item_chunks(const Batch *b, const Item *it, int64_t start) {
+    return (b->seq_lens[it->seq] - q_len_of(b, it->seq) + it->token_end - 1 - start) / CHUNK + 1;
 }
 
 /* Runs `attend_item` on every item, two threads (or OMP_NUM_THREADS) pulling from the sorted list. */
@@ -191,11 +224,45 @@ static void run_items(const Batch *b, int64_t num_seqs, ItemFn attend_item) {
 /* ---------------------------------------------------------------------------------------------- */
 /* Portable C: float32, and bf16 where AVX512-BF16 is missing                                       */
 
+/* tanh for soft-capping, from the vectorizable exp2: below |x| = 0.5 its odd Taylor series to x^13 (the
+ * first term left out is under 1e-7 of tanh there), above (1 - e) / (1 + e) with e = exp(-2|x|) <= 1/e,
+ * so that neither side cancels much; relative error about 2e-7 (tests/test_attention.py checks it). */
+#define TANH_SERIES_LIMIT 0.5f
+#define TANH_C3 (-1.f / 3.f)
+#define TANH_C5 (2.f / 15.f)
+#define TANH_C7 (-17.f / 315.f)
+#define TANH_C9 (62.f / 2835.f)
+#define TANH_C11 (-1382.f / 155925.f)
+#define TANH_C13 (21844.f / 6081075.f)
+
+static inline float tanh_f32(float x) {
+    const float a = fabsf(x);
+    if (a < TANH_SERIES_LIMIT) {
+        const float x2 = x * x;
+        float p = TANH_C13;
+        p = p * x2 + TANH_C11;
+        p = p * x2 + TANH_C9;
+        p = p * x2 + TANH_C7;
+        p = p * x2 + TANH_C5;
+        p = p * x2 + TANH_C3;
+        return x + x * x2 * p;
+    }
+    const float e = exp2_nonpositive(-2.f * LOG2E * a);
+    return copysignf((1.f - e) / (1.f + e), x);
+}
+
+/* For the tests: tanh_f32 over `n` floats. */
+void paged_attention_tanh(const float *x, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = tanh_f32(x[i]);
+}
+
 /* One chunk for one query row: scores of its `n` visible positions (key and value rows `stride` floats
- * apart), then the online-softmax update of the row's running maximum `m`, sum `l` and output `o`. */
+ * apart), soft-capped if `capped`, then the online-softmax update of the row's running maximum `m`, sum
+ * `l` and output `o`. */
 static inline __attribute__((always_inline)) void portable_row_chunk(const float *restrict q, const float *keys,
                                                                      const float *values, int64_t stride, int64_t n,
-                                                                     int64_t head_dim, float scale_log2e,
+                                                                     int64_t head_dim, float scale_log2e, int capped,
+                                                                     float cap_in, float cap_out,
                                                                      float *restrict m, float *restrict l,
                                                                      float *restrict o) {
     float s[CHUNK], w[CHUNK], top = -INFINITY, total = 0.f;
@@ -204,7 +271,7 @@ static inline __attribute__((always_inline)) void portable_row_chunk(const float
         float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
         for (int64_t d = 0; d < head_dim; d++) dot += q[d] * k[d];
-        s[p] = dot * scale_log2e;
+        s[p] = capped ? tanh_f32(dot * cap_in) * cap_out : dot * scale_log2e;
         top = s[p] > top ? s[p] : top;
     }
     if (top > *m) {
@@ -230,16 +297,18 @@ static inline __attribute__((always_inline)) void portable_row_chunk(const float
 
 /* One item for a cache element type T. The query rows are widened to float once per item. A chunk of
  * float32 K/V inside one block is read in place; anything else (bf16, or a chunk across blocks) is
- * first copied into float rows. A constant head_dim (64, 128) lets the compiler unroll. */
+ * first copied into float rows. A constant head_dim (64, 128) lets the compiler unroll; `mode` is a
+ * constant too (PLAIN, WINDOWED or CAPPED). */
 #define DEFINE_PORTABLE_ITEM(NAME, T, TO_FLOAT, FROM_FLOAT)                                                   \
     static inline __attribute__((always_inline)) void NAME##_at(const Batch *b, const Item *it,               \
-                                                                 int64_t head_dim) {                          \
+                                                                 int64_t head_dim, int mode) {                \
         const T *k_cache = (const T *)b->k_cache, *v_cache = (const T *)b->v_cache;                           \
         const int64_t rows = item_rows(b, it), per_kv = rows_per_kv_head(b, it);                              \
-        const int in_place = sizeof(T) == sizeof(float) && b->block_size % CHUNK == 0;                       \
+        const int in_place = sizeof(T) == sizeof(float) && b->block_size % CHUNK == 0;                        \
         float q[MAX_ITEM_ROWS * MAX_HEAD_DIM], o[MAX_ITEM_ROWS * MAX_HEAD_DIM], m[MAX_ITEM_ROWS];             \
         float l[MAX_ITEM_ROWS], key_rows[CHUNK * MAX_HEAD_DIM], value_rows[CHUNK * MAX_HEAD_DIM];             \
         int64_t position[MAX_ITEM_ROWS], offsets[CHUNK], next[CHUNK], after_next[CHUNK];                      \
+        int64_t first[MAX_ITEM_ROWS]; /* the first position each row sees */                                  \
         for (int64_t r = 0; r < rows; r++) {                                                                  \
             const T *q_row = (const T *)b->query + query_row_offset(b, it, r);                                \
             for (int64_t d = 0; d < head_dim; d++) {                                                          \
@@ -249,12 +318,16 @@ static inline __attribute__((always_inline)) void portable_row_chunk(const float
             m[r] = -INFINITY;                                                                                 \
             l[r] = 0.f;                                                                                       \
             position[r] = query_row_position(b, it, r);                                                       \
+            first[r] = mode != PLAIN ? window_start(b, position[r]) : 0;                                      \
         }                                                                                                     \
-        const int64_t num_chunks = item_chunks(b, it);                                                        \
-        Cursor cursor = cursor_start(b, it);                                                                  \
+        const int64_t start = mode != PLAIN ? walk_start(b, query_row_position(b, it, 0)) : 0;                \
+        const int64_t num_chunks = item_chunks(b, it, start);                                                 \
+        const int capped = mode == CAPPED;                                                                    \
+        Cursor cursor = cursor_start(b, it, start);                                                           \
         cursor_next(&cursor, next);                                                                           \
         cursor_next(&cursor, after_next);                                                                     \
         for (int64_t chunk = 0; chunk < num_chunks; chunk++) {                                                \
+            const int64_t chunk_start = start + chunk * CHUNK;                                                \
             memcpy(offsets, next, sizeof offsets);                                                            \
             memcpy(next, after_next, sizeof next);                                                            \
             cursor_next(&cursor, after_next);                                                                 \
@@ -277,10 +350,17 @@ static inline __attribute__((always_inline)) void portable_row_chunk(const float
                     }                                                                                         \
                 }                                                                                             \
                 for (int64_t r = kv * per_kv; r < (kv + 1) * per_kv; r++) {                                   \
-                    const int64_t visible = position[r] - chunk * CHUNK + 1;                                  \
+                    const int64_t visible = position[r] - chunk_start + 1;                                    \
                     if (visible <= 0) continue;                                                               \
-                    portable_row_chunk(q + r * head_dim, keys, values, stride, visible < CHUNK ? visible : CHUNK, \
-                                       head_dim, b->scale_log2e, &m[r], &l[r], o + r * head_dim);             \
+                    int64_t skip = 0; /* the chunk's positions below the row's window */                      \
+                    if (mode != PLAIN) {                                                                      \
+                        skip = first[r] - chunk_start;                                                        \
+                        if (skip >= CHUNK) continue;                                                          \
+                        skip = skip > 0 ? skip : 0;                                                           \
+                    }                                                                                         \
+                    portable_row_chunk(q + r * head_dim, keys + skip * stride, values + skip * stride, stride, \
+                                       (visible < CHUNK ? visible : CHUNK) - skip, head_dim, b->scale_log2e,  \
+                                       capped, b->cap_in, b->cap_out, &m[r], &l[r], o + r * head_dim);        \
                 }                                                                                             \
             }                                                                                                 \
         }                                                                                                     \
@@ -293,9 +373,25 @@ static inline __attribute__((always_inline)) void portable_row_chunk(const float
                                                                                                               \
     static void NAME(const Batch *b, const Item *it) {                                                        \
         switch (b->head_dim) {                                                                                \
-        case 64: NAME##_at(b, it, 64); break;                                                                 \
-        case 128: NAME##_at(b, it, 128); break;                                                               \
-        default: NAME##_at(b, it, b->head_dim);                                                               \
+        case 64: NAME##_at(b, it, 64, PLAIN); break;                                                          \
+        case 128: NAME##_at(b, it, 128, PLAIN); break;                                                        \
+        default: NAME##_at(b, it, b->head_dim, PLAIN);                                                        \
+        }                                                                                                     \
+    }                                                                                                         \
+                                                                                                              \
+    static void NAME##_windowed(const Batch *b, const Item *it) {                                             \
+        switch (b->head_dim) {                                                                                \
+        case 64: NAME##_at(b, it, 64, WINDOWED); break;                                                       \
+        case 128: NAME##_at(b, it, 128, WINDOWED); break;                                                     \
+        default: NAME##_at(b, it, b->head_dim, WINDOWED);                                                     \
+        }                                                                                                     \
+    }                                                                                                         \
+                                                                                                              \
+    static void NAME##_capped(const Batch *b, const Item *it) {                                               \
+        switch (b->head_dim) {                                                                                \
+        case 64: NAME##_at(b, it, 64, CAPPED); break;                                                         \
+        case 128: NAME##_at(b, it, 128, CAPPED); break;                                                       \
+        default: NAME##_at(b, it, b->head_dim, CAPPED);                                                       \
         }                                                                                                     \
     }
 
@@ -346,7 +442,7 @@ static inline __m512i broadcast_pair(const uint16_t *pairs, int64_t index) {
 
 /* Lane p of the result is the sum of the 16 lanes of v[p]. Each round halves the vectors: two inputs'
  * halves are blended into one and the other halves shuffled into another, and the two are added. */
-static inline __m512 sum_lanes16(const __m512 v[16]) {
+static inline __attribute__((always_inline)) __m512 sum_lanes16(const __m512 v[16]) {
     /* Halves of 512 bits: u[i] lanes 0..7 sum v[i]; lanes 8..15 sum v[i + 8]. */
     __m512 u[8], w[4], z[2];
     for (int i = 0; i < 8; i++) {
@@ -451,13 +547,30 @@ static inline __m512 exp2_nonpositive_avx512(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* tanh lane-wise, as tanh_f32 computes it. */
+static inline __m512 tanh_avx512(__m512 x) {
+    const __m512 a = _mm512_abs_ps(x), x2 = _mm512_mul_ps(x, x);
+    __m512 p = _mm512_set1_ps(TANH_C13);
+    p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(TANH_C11));
+    p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(TANH_C9));
+    p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(TANH_C7));
+    p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(TANH_C5));
+    p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(TANH_C3));
+    const __m512 series = _mm512_fmadd_ps(_mm512_mul_ps(x, x2), p, x);
+    const __m512 e = exp2_nonpositive_avx512(_mm512_mul_ps(a, _mm512_set1_ps(-2.f * LOG2E)));
+    const __m512 one = _mm512_set1_ps(1.f);
+    const __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+    const __m512i sign = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u));
+    const __m512 large = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), sign));
+    const __mmask16 small = _mm512_cmp_ps_mask(a, _mm512_set1_ps(TANH_SERIES_LIMIT), _CMP_LT_OQ);
+    return _mm512_mask_blend_ps(small, large, series);
+}
+
 /* The online-softmax step of one row: masks the positions it does not see, rescales its sum, rounds
  * the probabilities to bf16 into `weights` and returns the factor its output must be rescaled by.
  * The rounded probabilities are the ones summed, so the weights still add up to exactly 1. */
-static inline __m512 softmax_step(__m512 dots, int64_t visible, float scale_log2e, RowState *state,
-                                  uint16_t weights[CHUNK]) {
-    const __mmask16 valid = visible >= CHUNK ? 0xffff : visible <= 0 ? 0 : (__mmask16)((1u << visible) - 1u);
-    const __m512 s = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid, dots, _mm512_set1_ps(scale_log2e));
+static inline __attribute__((always_inline)) __m512 softmax_update(__m512 s, __mmask16 valid, RowState *state,
+                                                                  uint16_t weights[CHUNK]) {
     const float top = _mm512_reduce_max_ps(s);
     __m512 alpha = _mm512_set1_ps(1.f);
     if (top > state->m) {
@@ -472,15 +585,39 @@ static inline __m512 softmax_step(__m512 dots, int64_t visible, float scale_log2
     return alpha;
 }
 
+/* The plain step: row sees the chunk's first `visible` positions. */
+static inline __m512 softmax_step(__m512 dots, int64_t visible, float scale_log2e, RowState *state,
+                                  uint16_t weights[CHUNK]) {
+    const __mmask16 valid = visible >= CHUNK ? 0xffff : visible <= 0 ? 0 : (__mmask16)((1u << visible) - 1u);
+    const __m512 s = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid, dots, _mm512_set1_ps(scale_log2e));
+    return softmax_update(s, valid, state, weights);
+}
+
+/* The step of the other modes: the row sees the chunk's positions skip..visible-1, its logits soft-capped
+ * if `capped` (a constant). */
+static inline __attribute__((always_inline)) __m512 softmax_step_window(__m512 dots, int64_t visible, int64_t skip,
+                                                                       const Batch *b, int capped, RowState *state,
+                                                                       uint16_t weights[CHUNK]) {
+    __mmask16 valid = visible >= CHUNK ? 0xffff : visible <= 0 ? 0 : (__mmask16)((1u << visible) - 1u);
+    if (skip > 0) valid &= skip >= CHUNK ? 0 : (__mmask16) ~((1u << skip) - 1u);
+    const __m512 logits = capped ? _mm512_mul_ps(tanh_avx512(_mm512_mul_ps(dots, _mm512_set1_ps(b->cap_in))),
+                                                    _mm512_set1_ps(b->cap_out))
+                                    : _mm512_mul_ps(dots, _mm512_set1_ps(b->scale_log2e));
+    const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, logits);
+    return softmax_update(s, valid, state, weights);
+}
+
 /* R query rows (a constant after inlining, so the accumulators stay in registers) against one chunk:
  * `k_rows`/`v_rows` are the chunk's 16 rows of one KV head (ZERO_ROW past the end: 0 x stale NaN would
  * be NaN); `keys`/`values` their transposed/interleaved copies (see pack_chunk), or NULL to work from
- * the rows directly; `visible[r]` is how many positions row r sees. */
+ * the rows directly; row r sees the chunk's first `visible[r]` positions, and in the modes but PLAIN (a
+ * constant) not its first `skip[r]`, with soft-capping in mode CAPPED. */
 static inline __attribute__((always_inline)) void rows_chunk(const uint16_t *const *q, RowState *const *state,
-                                                             const int64_t *visible, const uint16_t *const *k_rows,
+                                                             const int64_t *visible, const int64_t *skip,
+                                                             const uint16_t *const *k_rows,
                                                              const uint16_t *const *v_rows, const __m512i *keys,
-                                                             const __m512i *values, float scale_log2e, int R,
-                                                             int64_t head_dim) {
+                                                             const __m512i *values, const Batch *b, int mode,
+                                                             int R, int64_t head_dim) {
     __m512 dots[TILE_ROWS], alpha[TILE_ROWS];
     uint16_t weights[TILE_ROWS][CHUNK];
     if (keys == NULL) {
@@ -498,7 +635,10 @@ static inline __attribute__((always_inline)) void rows_chunk(const uint16_t *con
         }
         for (int r = 0; r < R; r++) dots[r] = _mm512_add_ps(even[r], odd[r]);
     }
-    for (int r = 0; r < R; r++) alpha[r] = softmax_step(dots[r], visible[r], scale_log2e, state[r], weights[r]);
+    for (int r = 0; r < R; r++)
+        alpha[r] = mode != PLAIN ? softmax_step_window(dots[r], visible[r], skip[r], b, mode == CAPPED, state[r],
+                                                       weights[r])
+                                 : softmax_step(dots[r], visible[r], b->scale_log2e, state[r], weights[r]);
     /* P.V, 64 output dims at a time. */
     for (int64_t c0 = 0; c0 < head_dim / 16; c0 += 4) {
         const int64_t cols = head_dim / 16 - c0 < 4 ? head_dim / 16 - c0 : 4;
@@ -527,12 +667,14 @@ static inline __attribute__((always_inline)) void rows_chunk(const uint16_t *con
     }
 }
 
-/* Rows [begin, end) of one KV head against one chunk, in register tiles of up to TILE_ROWS. */
+/* Rows [begin, end) of one KV head against the chunk at position `chunk_start`, in register tiles of up
+ * to TILE_ROWS; row r sees positions first[r]..position[r] (`first` is not read in mode PLAIN). */
 static inline __attribute__((always_inline)) void kv_head_chunk(const uint16_t *const *q, RowState *state,
-                                                                const int64_t *position, int64_t begin, int64_t end,
-                                                                int64_t chunk, const uint16_t *const *k_rows,
-                                                                const uint16_t *const *v_rows, float scale_log2e,
-                                                                int64_t head_dim) {
+                                                                const int64_t *position, const int64_t *first,
+                                                                int64_t begin, int64_t end, int64_t chunk_start,
+                                                                const uint16_t *const *k_rows,
+                                                                const uint16_t *const *v_rows, const Batch *b,
+                                                                int mode, int64_t head_dim) {
     __m512i packed_keys[MAX_HEAD_DIM / 2], packed_values[CHUNK / 2 * MAX_HEAD_DIM / 16];
     const __m512i *keys = NULL, *values = NULL;
     if (end - begin > DIRECT_ROWS) {
@@ -542,18 +684,21 @@ static inline __attribute__((always_inline)) void kv_head_chunk(const uint16_t *
     }
     for (int64_t r0 = begin; r0 < end; r0 += TILE_ROWS) {
         const int64_t n = end - r0 < TILE_ROWS ? end - r0 : TILE_ROWS;
-        if (position[r0 + n - 1] < chunk * CHUNK) continue; /* the causal mask hides the whole chunk */
+        if (position[r0 + n - 1] < chunk_start) continue; /* the causal mask hides the whole chunk */
+        /* Rows are in position order: the tile's first row has the earliest window. */
+        if (mode != PLAIN && first[r0] >= chunk_start + CHUNK) continue; /* before every row's window */
         RowState *tile[TILE_ROWS];
-        int64_t visible[TILE_ROWS];
+        int64_t visible[TILE_ROWS], skip[TILE_ROWS];
         for (int64_t i = 0; i < n; i++) {
             tile[i] = &state[r0 + i];
-            visible[i] = position[r0 + i] - chunk * CHUNK + 1;
+            visible[i] = position[r0 + i] - chunk_start + 1;
+            skip[i] = mode != PLAIN ? first[r0 + i] - chunk_start : 0;
         }
         switch (n) {
-        case 4: rows_chunk(q + r0, tile, visible, k_rows, v_rows, keys, values, scale_log2e, 4, head_dim); break;
-        case 3: rows_chunk(q + r0, tile, visible, k_rows, v_rows, keys, values, scale_log2e, 3, head_dim); break;
-        case 2: rows_chunk(q + r0, tile, visible, k_rows, v_rows, keys, values, scale_log2e, 2, head_dim); break;
-        default: rows_chunk(q + r0, tile, visible, k_rows, v_rows, keys, values, scale_log2e, 1, head_dim);
+        case 4: rows_chunk(q + r0, tile, visible, skip, k_rows, v_rows, keys, values, b, mode, 4, head_dim); break;
+        case 3: rows_chunk(q + r0, tile, visible, skip, k_rows, v_rows, keys, values, b, mode, 3, head_dim); break;
+        case 2: rows_chunk(q + r0, tile, visible, skip, k_rows, v_rows, keys, values, b, mode, 2, head_dim); break;
+        default: rows_chunk(q + r0, tile, visible, skip, k_rows, v_rows, keys, values, b, mode, 1, head_dim);
         }
     }
 }
@@ -572,20 +717,25 @@ static inline void store_row(const RowState *state, int64_t head_dim, uint16_t *
     }
 }
 
-static inline __attribute__((always_inline)) void fast_item_at(const Batch *b, const Item *it, int64_t head_dim) {
+/* One item in a constant `mode`: PLAIN, WINDOWED or CAPPED (see the top). */
+static inline __attribute__((always_inline)) void fast_item_at(const Batch *b, const Item *it, int64_t head_dim,
+                                                               int mode) {
     const uint16_t *k_cache = (const uint16_t *)b->k_cache, *v_cache = (const uint16_t *)b->v_cache;
-    const int64_t rows = item_rows(b, it), per_kv = rows_per_kv_head(b, it), num_chunks = item_chunks(b, it);
+    const int64_t rows = item_rows(b, it), per_kv = rows_per_kv_head(b, it);
     RowState state[MAX_ITEM_ROWS];
     const uint16_t *q[MAX_ITEM_ROWS];
-    int64_t position[MAX_ITEM_ROWS], offsets[CHUNK], next[CHUNK], after_next[CHUNK];
+    int64_t position[MAX_ITEM_ROWS], first[MAX_ITEM_ROWS], offsets[CHUNK], next[CHUNK], after_next[CHUNK];
     for (int64_t r = 0; r < rows; r++) {
         q[r] = (const uint16_t *)b->query + query_row_offset(b, it, r);
         position[r] = query_row_position(b, it, r);
+        first[r] = mode != PLAIN ? window_start(b, position[r]) : 0;
         state[r].m = -INFINITY;
         memset(state[r].l, 0, sizeof state[r].l);
         memset(state[r].o, 0, sizeof(float) * head_dim);
     }
-    Cursor cursor = cursor_start(b, it);
+    const int64_t start = mode != PLAIN ? walk_start(b, query_row_position(b, it, 0)) : 0;
+    const int64_t num_chunks = item_chunks(b, it, start);
+    Cursor cursor = cursor_start(b, it, start);
     cursor_next(&cursor, next);
     cursor_next(&cursor, after_next);
     for (int64_t chunk = 0; chunk < num_chunks; chunk++) {
@@ -601,8 +751,8 @@ static inline __attribute__((always_inline)) void fast_item_at(const Batch *b, c
                 k_rows[p] = offsets[p] >= 0 ? k_cache + offsets[p] + kv_offset : ZERO_ROW;
                 v_rows[p] = offsets[p] >= 0 ? v_cache + offsets[p] + kv_offset : ZERO_ROW;
             }
-            kv_head_chunk(q, state, position, kv * per_kv, (kv + 1) * per_kv, chunk, k_rows, v_rows, b->scale_log2e,
-                          head_dim);
+            kv_head_chunk(q, state, position, first, kv * per_kv, (kv + 1) * per_kv, start + chunk * CHUNK, k_rows,
+                          v_rows, b, mode, head_dim);
         }
     }
     for (int64_t r = 0; r < rows; r++) store_row(&state[r], head_dim, (uint16_t *)b->out + query_row_offset(b, it, r));
@@ -610,9 +760,25 @@ static inline __attribute__((always_inline)) void fast_item_at(const Batch *b, c
 
 static void fast_item(const Batch *b, const Item *it) {
     switch (b->head_dim) {
-    case 64: fast_item_at(b, it, 64); break;
-    case 128: fast_item_at(b, it, 128); break;
-    default: fast_item_at(b, it, b->head_dim); /* any multiple of 32 up to MAX_HEAD_DIM */
+    case 64: fast_item_at(b, it, 64, PLAIN); break;
+    case 128: fast_item_at(b, it, 128, PLAIN); break;
+    default: fast_item_at(b, it, b->head_dim, PLAIN); /* any multiple of 32 up to MAX_HEAD_DIM */
+    }
+}
+
+static void fast_item_windowed(const Batch *b, const Item *it) {
+    switch (b->head_dim) {
+    case 64: fast_item_at(b, it, 64, WINDOWED); break;
+    case 128: fast_item_at(b, it, 128, WINDOWED); break;
+    default: fast_item_at(b, it, b->head_dim, WINDOWED);
+    }
+}
+
+static void fast_item_capped(const Batch *b, const Item *it) {
+    switch (b->head_dim) {
+    case 64: fast_item_at(b, it, 64, CAPPED); break;
+    case 128: fast_item_at(b, it, 128, CAPPED); break;
+    default: fast_item_at(b, it, b->head_dim, CAPPED);
     }
 }
 #endif
@@ -622,15 +788,31 @@ static void fast_item(const Batch *b, const Item *it) {
 
 /* `query`/`out` [tokens, num_heads, head_dim] contiguous; caches [blocks, block_size, num_kv_heads,
  * head_dim] contiguous; `block_tables` int32 rows of `table_stride`; `seq_lens` int32 [num_seqs];
- * `query_start_loc` int32 [num_seqs + 1]. Sequences with no query tokens are skipped. */
+ * `query_start_loc` int32 [num_seqs + 1]. Sequences with no query tokens are skipped. `window` > 0 is a
+ * sliding window of that many positions, `softcap` > 0 caps the scaled logits (0: neither). */
 #define DEFINE_ENTRY(NAME, ITEM_FN)                                                                             \
     void NAME(const void *query, const void *k_cache, const void *v_cache, const int32_t *block_tables,         \
               int64_t table_stride, const int32_t *seq_lens, const int32_t *query_start_loc, void *out,         \
               int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,  \
-              float scale) {                                                                                    \
-        const Batch b = {query,        k_cache,   v_cache,      out,      block_tables, seq_lens, query_start_loc, \
-                         table_stride, num_heads, num_kv_heads, head_dim, block_size,   scale * LOG2E};          \
-        run_items(&b, num_seqs, ITEM_FN);                                                                       \
+              float scale, int64_t window, float softcap) {                                                     \
+        const int capped = softcap > 0.f;                                                                       \
+        const Batch b = {query,                                                                                 \
+                         k_cache,                                                                               \
+                         v_cache,                                                                               \
+                         out,                                                                                   \
+                         block_tables,                                                                          \
+                         seq_lens,                                                                              \
+                         query_start_loc,                                                                       \
+                         table_stride,                                                                          \
+                         num_heads,                                                                             \
+                         num_kv_heads,                                                                          \
+                         head_dim,                                                                              \
+                         block_size,                                                                            \
+                         scale * LOG2E,                                                                         \
+                         window > 0 ? window : 0,                                                               \
+                         capped ? scale / softcap : 0.f,                                                        \
+                         capped ? softcap * LOG2E : 0.f};                                                       \
+        run_items(&b, num_seqs, capped ? ITEM_FN##_capped : window > 0 ? ITEM_FN##_windowed : ITEM_FN);         \
     }
 
 DEFINE_ENTRY(paged_attention_f32_portable, portable_item_f32)

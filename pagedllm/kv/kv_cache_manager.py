@@ -62,8 +62,12 @@ class KVCacheManager:
     def num_blocks(self) -> int:
         return self.pool.num_blocks
 
-    def can_ever_fit(self, num_tokens: int) -> bool:
-        return blocks_needed(num_tokens, self.block_size) <= self.pool.num_blocks
+    def blocks_to_hold(self, num_tokens: int, max_chunk: int) -> int:
+        """The most blocks a sequence of `num_tokens`, computed `max_chunk` tokens a step at most, holds
+        at once. With a sliding window: its window plus one chunk (and a block boundary)."""
+        if self.sliding_window:
+            num_tokens = min(num_tokens, self.sliding_window + max_chunk + self.block_size)
+        return blocks_needed(num_tokens, self.block_size)
 
     # ---- a sequence's life ----------------------------------------------------------------
 

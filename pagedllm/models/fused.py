@@ -1,6 +1,7 @@
-"""The Llama layer's element-wise ops: a fused C kernel (pagedllm/csrc/fused_ops.c) for CPU tensors in bf16
+"""The decoder layer's element-wise ops: a fused C kernel (pagedllm/csrc/fused_ops.c) for CPU tensors in bf16
 or float32, the plain torch form otherwise (other devices, no compiler, PAGEDLLM_NATIVE=0). Both
-round where transformers' Llama rounds."""
+round where transformers rounds (its Llama; its Gemma for the `(1 + w)` norm). GELU gating and partial
+rotary embeddings have only the torch form."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _PTR, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "rms_norm": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32],
+    "rms_norm_offset": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32],
     "silu_mul": [_PTR, _PTR, _I64, _I64],
     "rope": [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64],
 }
@@ -42,18 +44,29 @@ def _kernel(name: str, *tensors: torch.Tensor):
     return None if lib is None else getattr(lib, f"{name}_{_SUFFIX[first.dtype]}")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    offset: bool = False,
+) -> torch.Tensor:
     """RMSNorm of `x`, or with `residual`: `residual += x` in place (rounded to the dtype) and the
-    norm of the sum. `x` and `residual` are `[tokens, hidden]`."""
+    norm of the sum. `x` and `residual` are `[tokens, hidden]`. Llama's form rounds the normalised
+    value to the dtype and then multiplies by `weight`; with `offset`, Gemma's multiplies by
+    `1 + weight` in float32 and rounds once."""
     # The kernel reads `residual` with x's element type and row layout, so it must match both.
     tensors = (x, weight) if residual is None else (x, weight, residual)
-    kernel = _kernel("rms_norm", *tensors) if residual is None or residual.is_contiguous() else None
+    name = "rms_norm_offset" if offset else "rms_norm"
+    kernel = _kernel(name, *tensors) if residual is None or residual.is_contiguous() else None
     if kernel is None:
         if residual is not None:
             residual.add_(x)
             x = residual
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        if offset:
+            return (x32 * (1.0 + weight.float())).to(x.dtype)
         return weight * x32.to(x.dtype)
     x = x.contiguous()
     out = torch.empty_like(x)
@@ -75,16 +88,31 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def act_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """`act(gate) * up` for `gate_up = [gate | up]`: "silu" (fused), "gelu_pytorch_tanh" or "gelu"."""
+    if act == "silu":
+        return silu_mul(gate_up)
+    gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
+    approximate = "tanh" if act == "gelu_pytorch_tanh" else "none"
+    return torch.nn.functional.gelu(gate, approximate=approximate) * up
+
+
 def rope(qkv: torch.Tensor, col: int, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of the `heads` heads starting at column `col` of `qkv` `[tokens, width]`,
-    as a new `[tokens, heads, head_dim]`; `cos`/`sin` are `[tokens, head_dim]` in qkv's dtype."""
-    kernel = _kernel("rope", qkv, cos, sin) if qkv.stride(-1) == 1 else None
+    as a new `[tokens, heads, head_dim]`; `cos`/`sin` are `[tokens, rotary_dim]` in qkv's dtype. A
+    `rotary_dim` below `head_dim` rotates each head's first `rotary_dim` values only (Phi3's partial
+    rotary factor) and passes the rest through."""
+    rotary_dim = cos.shape[-1]
+    kernel = _kernel("rope", qkv, cos, sin) if qkv.stride(-1) == 1 and rotary_dim == head_dim else None
     if kernel is None:
         x = qkv[:, col : col + heads * head_dim].view(-1, heads, head_dim)
         c, s = cos[:, None, :], sin[:, None, :]
-        half = head_dim // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * c + rotated * s
+        half = rotary_dim // 2
+        rot = x[..., :rotary_dim]
+        rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+        if rotary_dim == head_dim:
+            return rot * c + rotated * s
+        return torch.cat((rot * c + rotated * s, x[..., rotary_dim:]), dim=-1)
     cos, sin = cos.contiguous(), sin.contiguous()
     out = qkv.new_empty(qkv.shape[0], heads, head_dim)
     kernel(

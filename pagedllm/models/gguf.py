@@ -1,77 +1,119 @@
-"""Convert a Llama-architecture GGUF file, once, into a Hugging Face model folder.
+"""Convert a GGUF file, once, into a Hugging Face model folder.
 
 The folder (float32 `model.safetensors`, `config.json`, `generation_config.json` and tokenizer files)
 is cached under `<cache>/gguf/<key>/`, where `<cache>` is `$PAGEDLLM_CACHE_DIR` or `~/.cache/pagedllm`
 and `<key>` hashes the GGUF file's absolute path, size and mtime, so a changed file is reconverted.
+
+What the file means comes from transformers' GGUF support, not from tables of our own:
+
+- the config: `GGUF_CONFIG_MAPPING` renames the `<arch>.*` metadata keys to config fields;
+- the tensor names: `get_gguf_hf_weights_map` runs gguf's own HF -> GGUF name table over a model
+  skeleton (built on the meta device from that config, so it costs no memory);
+- undoing what llama.cpp's converter did to the values: transformers' `TensorProcessor`s (the Q/K
+  row permutation of the llama family, Gemma's `w + 1` norms, the stacked MoE experts);
+- the saved layout: `revert_weight_conversion`, what `save_pretrained` uses, so the folder holds the
+  names transformers' own checkpoints use (one tensor per MoE expert, for instance);
+- the tokenizer: transformers' GGUF tokenizer conversion.
+
+What stays ours, for speed (default model: ~5 s in all, where `load_gguf_checkpoint` takes ~12 s for
+its tensors alone): a header reader that skips the vocabulary (gguf's `GGUFReader`, which
+`load_gguf_checkpoint` uses, parses every token string: ~4 s), gguf's dequantization on a thread
+pool, and `get_gguf_hf_weights_map` run on the top-level model only (see `_Flat`). And the metadata
+transformers' table leaves out: rope scaling (linear, yarn, Llama 3's `rope_freqs`, Phi-3's longrope
+factors), the head size, sliding windows, Gemma's attention scale, MoE widths, end-of-turn tokens.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
-import re
 import shutil
+import struct
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType, ReaderTensor
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
-from safetensors.numpy import save_file
 
 if TYPE_CHECKING:
-    from transformers import GenerationConfig, LlamaConfig
+    import torch
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 # Part of the cache key: bump it whenever the converted folder's contents change, so stale
 # conversions made by an older pagedllm are not reused.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 # Written last, into the temporary folder, so a folder without it was never completed.
 COMPLETE_MARKER = "pagedllm_conversion.json"
-
-_GGUF_LAYER_TENSORS = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GGUF_GLOBAL_TENSORS = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 
 StrPath = str | os.PathLike[str]
 
 
-@dataclass(frozen=True, slots=True)
-class LlamaHyperparameters:
-    """What a GGUF file's `llama.*` and `tokenizer.ggml.*` metadata says about the model."""
+class _Family(NamedTuple):
+    model_type: str  # transformers' model_type
+    layout: str  # the llama.cpp architecture whose tensor names and transforms the file uses
 
-    num_layers: int
-    context_length: int
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rope_theta: float
-    rms_norm_eps: float
-    rope_scaling: dict[str, float | int | str] | None
-    bos_token_id: int | None
-    # llama.cpp stops generation on any end-of-generation token (eos, end-of-turn, end-of-message).
-    eos_token_ids: tuple[int, ...]
-    pad_token_id: int | None
+
+# GGUF `general.architecture` -> what it converts to. llama.cpp writes Mistral models as `llama`
+# (see `_family`); `mistral` is an architecture name transformers' GGUF table also knows.
+GGUF_ARCHITECTURES: dict[str, _Family] = {
+    "llama": _Family("llama", "llama"),
+    "mistral": _Family("mistral", "llama"),
+    "qwen2": _Family("qwen2", "qwen2"),
+    "qwen2moe": _Family("qwen2_moe", "qwen2moe"),
+    "qwen3": _Family("qwen3", "qwen3"),
+    "qwen3moe": _Family("qwen3_moe", "qwen3moe"),
+    "gemma2": _Family("gemma2", "gemma2"),
+    "gemma3": _Family("gemma3_text", "gemma3"),
+    "phi3": _Family("phi3", "phi3"),
+}
+SUPPORTED_GGUF_ARCHITECTURES = tuple(sorted(GGUF_ARCHITECTURES))
+
+# Metadata keys llama.cpp writes and transformers' GGUF_CONFIG_MAPPING does not carry for every
+# architecture; each is set only where the config class has the field.
+_MORE_CONFIG_KEYS = {
+    "attention.sliding_window": "sliding_window",
+    "attn_logit_softcapping": "attn_logit_softcapping",
+    "final_logit_softcapping": "final_logit_softcapping",
+    "expert_count": "num_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+    "expert_weights_norm": "norm_topk_prob",
+}
+# Without these a GGUF file does not describe a model (llama.cpp refuses such files too).
+_REQUIRED_KEYS = (
+    "context_length",
+    "embedding_length",
+    "block_count",
+    "attention.head_count",
+    "attention.layer_norm_rms_epsilon",
+)
+# Tensors that are rope parameters, read into the config rather than saved.
+_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+# Tokens llama.cpp ends generation on when the vocabulary has them (llama-vocab.cpp); we add those
+# the chat template writes, since a chat model ends its turn with them.
+_TURN_END_TOKENS = (
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "<EOT>",
+    "<|return|>",
+    "<|call|>",
+)
+# llama.cpp's Gemma attention scale is 1/sqrt(hidden/heads) for the 27B models (known by their
+# layer count), 1/sqrt(head_dim) otherwise.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
 def default_cache_dir() -> Path:
@@ -119,180 +161,477 @@ def gguf_to_hf_folder(gguf_path: StrPath, cache_dir: StrPath | None = None) -> P
 
 def _convert(gguf_path: Path, out_dir: Path) -> None:
     started = time.perf_counter()
-    reader = GGUFReader(gguf_path)
-    architecture = _field(reader, "general.architecture")
-    if architecture != "llama":
-        raise ValueError(f"{gguf_path}: architecture {architecture!r} is not supported, only llama")
-    params = read_llama_hyperparameters(reader)
+    gguf = GGUFFile(gguf_path)
+    family = _family(gguf)
+    config = hf_config(gguf, family)
+    # Everything is checked (names, shapes) before the first tensor is dequantized or a file written.
+    plan = _WeightPlan(gguf, family, config)
+    tokenizer = _tokenizer(gguf_path)
 
-    tensors = _hf_tensors(reader, params)
-    # llama.cpp writes `output.weight` only when it differs from the token embedding.
-    tied = "lm_head.weight" not in tensors
-    vocab_size = tensors["model.embed_tokens.weight"].shape[0]
+    eos_ids = _end_of_generation_ids(gguf, tokenizer)
+    config.eos_token_id = _one_or_list(eos_ids)
+    tensors = plan.run()
     # "format": "pt" is what transformers expects in a safetensors header before loading it into torch.
+    from safetensors.torch import save_file
+
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    del tensors  # ~0.5 GB, no longer needed while the tokenizer is built
-    _llama_config(params, vocab_size, tied).save_pretrained(out_dir)
-    _generation_config(params).save_pretrained(out_dir)
-    _save_tokenizer(gguf_path, out_dir)
+    del tensors
+    config.save_pretrained(out_dir)
+    _generation_config(config, eos_ids).save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
 
     record = {
         "source": str(gguf_path),
+        "architecture": gguf.architecture,
         "converter_version": CONVERTER_VERSION,
         "seconds": round(time.perf_counter() - started, 3),
     }
     (out_dir / COMPLETE_MARKER).write_text(json.dumps(record, indent=2) + "\n")
 
 
-def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
-    """A scalar or string metadata value, or `default` when the key is absent.
+# --- reading the file ------------------------------------------------------------------------------
 
-    Read through `parts`/`data` rather than `ReaderField.contents()`, which older gguf releases lack.
+
+class TensorInfo(NamedTuple):
+    name: str
+    shape: tuple[int, ...]  # torch order (ggml lists the fastest-moving dimension first)
+    ggml_type: GGMLQuantizationType
+    start: int  # absolute offset in the file
+    nbytes: int
+
+
+_SCALARS = {
+    GGUFValueType.UINT8: "<B",
+    GGUFValueType.INT8: "<b",
+    GGUFValueType.UINT16: "<H",
+    GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I",
+    GGUFValueType.INT32: "<i",
+    GGUFValueType.FLOAT32: "<f",
+    GGUFValueType.BOOL: "<?",
+    GGUFValueType.UINT64: "<Q",
+    GGUFValueType.INT64: "<q",
+    GGUFValueType.FLOAT64: "<d",
+}
+
+
+class _Truncated(Exception):
+    pass
+
+
+class GGUFFile:
+    """A GGUF file's metadata and tensor table, and its tensors on demand (memory-mapped).
+
+    String arrays (the vocabulary, the merges) are skipped and kept as their length: nothing here
+    needs them, and parsing them is most of what makes gguf's `GGUFReader` slow.
     """
-    field = reader.get_field(key)
-    if field is None:
-        return default
-    if field.types[0] == GGUFValueType.ARRAY:
-        raise ValueError(f"GGUF metadata {key} is an array, expected a single value")
-    value = field.parts[field.data[0]]
-    if field.types[0] == GGUFValueType.STRING:
-        return bytes(value).decode("utf-8")
-    return value.item()
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        size = path.stat().st_size
+        if size < 24:
+            raise ValueError(f"{path}: not a GGUF file ({size} bytes)")
+        self._blob = np.memmap(path, dtype=np.uint8, mode="r")
+        if bytes(self._blob[:4]) != b"GGUF":
+            raise ValueError(f"{path}: not a GGUF file (it does not start with the GGUF magic bytes)")
+        try:
+            end_of_table = self._read_header()
+        except _Truncated:
+            raise ValueError(
+                f"{path}: the file is truncated: it ends inside its metadata ({size} bytes); "
+                "an incomplete download or copy?"
+            ) from None
+        alignment = int(self.metadata.get("general.alignment", 32))
+        data_start = (end_of_table + alignment - 1) // alignment * alignment
+        self.tensors: dict[str, TensorInfo] = {}
+        for name, shape, ggml_type, offset in self._entries:
+            info = self._tensor_info(name, shape, ggml_type, data_start + offset)
+            if info.start + info.nbytes > size:
+                raise ValueError(
+                    f"{path}: the file is truncated: tensor {name!r} needs bytes {info.start}.."
+                    f"{info.start + info.nbytes} but the file has {size} bytes; an incomplete download or copy?"
+                )
+            self.tensors[name] = info
+
+    @property
+    def architecture(self) -> str:
+        return self.require("general.architecture")
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(key, default)
+
+    def require(self, key: str) -> Any:
+        if key not in self.metadata:
+            raise ValueError(f"{self.path}: GGUF metadata key {key!r} is missing")
+        return self.metadata[key]
+
+    def float32(self, name: str) -> np.ndarray:
+        """Tensor `name` dequantized to a writable, contiguous float32 array (torch's shape order)."""
+        info = self.tensors[name]
+        row_bytes = info.nbytes // max(1, math.prod(info.shape[:-1]))
+        raw = self._blob[info.start : info.start + info.nbytes].reshape(*info.shape[:-1], row_bytes)
+        try:
+            values = dequantize(np.asarray(raw), info.ggml_type)
+        except NotImplementedError as error:
+            raise ValueError(f"{self.path}: tensor {name!r}: {error}") from None
+        if values.dtype != np.float32 or not values.flags.writeable or not values.flags.c_contiguous:
+            values = np.array(values, dtype=np.float32, order="C")  # F32 tensors are views of the map
+        return values.reshape(info.shape)
+
+    # The layout: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
+    def _read_header(self) -> int:
+        version, tensor_count, kv_count = self._unpack("<IQQ", 4)
+        if version not in (2, 3):
+            raise ValueError(f"{self.path}: GGUF version {version} is not supported (only 2 and 3)")
+        pos = 24
+        self.metadata: dict[str, Any] = {}
+        for _ in range(kv_count):
+            key, pos = self._string(pos)
+            (value_type,) = self._unpack("<I", pos)
+            self.metadata[key], pos = self._value(pos + 4, value_type, key)
+        self._entries = []
+        for _ in range(tensor_count):
+            name, pos = self._string(pos)
+            (n_dims,) = self._unpack("<I", pos)
+            dims = self._unpack(f"<{n_dims}Q", pos + 4)
+            ggml_type, offset = self._unpack("<IQ", pos + 4 + 8 * n_dims)
+            pos += 4 + 8 * n_dims + 12
+            self._entries.append((name, tuple(reversed(dims)), ggml_type, offset))
+        return pos
+
+    def _tensor_info(self, name: str, shape: tuple[int, ...], ggml_type: int, start: int) -> TensorInfo:
+        try:
+            qtype = GGMLQuantizationType(ggml_type)
+            block_size, type_size = GGML_QUANT_SIZES[qtype]
+        except (ValueError, KeyError):
+            raise ValueError(f"{self.path}: tensor {name!r} has ggml type {ggml_type}, unknown to gguf") from None
+        if not shape or shape[-1] % block_size:
+            raise ValueError(f"{self.path}: tensor {name!r} of shape {shape} does not fit {qtype.name} blocks")
+        nbytes = math.prod(shape[:-1]) * (shape[-1] // block_size) * type_size
+        return TensorInfo(name, shape, qtype, start, nbytes)
+
+    def _unpack(self, fmt: str, pos: int) -> tuple:
+        try:
+            return struct.unpack_from(fmt, self._blob, pos)
+        except struct.error:
+            raise _Truncated from None
+
+    def _string(self, pos: int) -> tuple[str, int]:
+        (length,) = self._unpack("<Q", pos)
+        end = pos + 8 + length
+        if end > len(self._blob):
+            raise _Truncated
+        return bytes(self._blob[pos + 8 : end]).decode("utf-8", errors="replace"), end
+
+    def _value(self, pos: int, value_type: int, key: str) -> tuple[Any, int]:
+        if value_type in _SCALARS:
+            fmt = _SCALARS[value_type]
+            return self._unpack(fmt, pos)[0], pos + struct.calcsize(fmt)
+        if value_type == GGUFValueType.STRING:
+            return self._string(pos)
+        if value_type != GGUFValueType.ARRAY:
+            raise ValueError(f"{self.path}: metadata {key!r} has unknown value type {value_type}")
+        item_type, count = self._unpack("<IQ", pos)
+        pos += 12
+        if item_type in _SCALARS:
+            fmt = _SCALARS[item_type]
+            end = pos + count * struct.calcsize(fmt)
+            if end > len(self._blob):
+                raise _Truncated
+            return np.frombuffer(self._blob, dtype=np.dtype(fmt), count=count, offset=pos).tolist(), end
+        if item_type != GGUFValueType.STRING:
+            raise ValueError(f"{self.path}: metadata {key!r} is an array of type {item_type}, not read")
+        for _ in range(count):  # variable-length: walked, not kept
+            (length,) = self._unpack("<Q", pos)
+            pos += 8 + length
+        if pos > len(self._blob):
+            raise _Truncated
+        return count, pos
 
 
-def read_llama_hyperparameters(reader: GGUFReader) -> LlamaHyperparameters:
-    """The model hyperparameters and special token ids from a llama GGUF file's metadata."""
-
-    def llama(key: str, default: Any = None) -> Any:
-        value = _field(reader, f"llama.{key}", default)
-        if value is None:
-            raise ValueError(f"GGUF metadata llama.{key} is missing")
-        return value
-
-    hidden_size = int(llama("embedding_length"))
-    num_heads = int(llama("attention.head_count"))
-    end_ids = (_field(reader, f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot", "eom"))
-    return LlamaHyperparameters(
-        num_layers=int(llama("block_count")),
-        context_length=int(llama("context_length")),
-        hidden_size=hidden_size,
-        intermediate_size=int(llama("feed_forward_length")),
-        num_heads=num_heads,
-        # llama.cpp omits head_count_kv when it equals head_count (no grouped-query attention).
-        num_kv_heads=int(llama("attention.head_count_kv", num_heads)),
-        head_dim=int(llama("attention.key_length", hidden_size // num_heads)),
-        # 10000 is llama.cpp's default when the file does not state a base.
-        rope_theta=float(llama("rope.freq_base", 10000.0)),
-        rms_norm_eps=float(llama("attention.layer_norm_rms_epsilon")),
-        rope_scaling=_rope_scaling(reader),
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=tuple(dict.fromkeys(i for i in end_ids if i is not None)),
-        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
-    )
+def _family(gguf: GGUFFile) -> _Family:
+    architecture = gguf.architecture
+    if architecture not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"{gguf.path}: GGUF architecture {architecture!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
+        )
+    if gguf.get("split.count", 1) > 1:
+        raise ValueError(
+            f"{gguf.path}: a split GGUF file (part of {gguf.get('split.count')}); merge the parts first "
+            "(llama-gguf-split --merge)"
+        )
+    if architecture == "llama" and gguf.get("llama.expert_count"):
+        raise ValueError(f"{gguf.path}: llama-architecture MoE files (Mixtral) are not supported")
+    family = GGUF_ARCHITECTURES[architecture]
+    # llama.cpp converts MistralForCausalLM as `llama`; transformers' GGUF loader tells them apart by
+    # the model's name, and so do we (the two compute the same without a sliding window).
+    if architecture == "llama" and "mistral" in str(gguf.get("general.name", "")).lower():
+        family = GGUF_ARCHITECTURES["mistral"]
+    return family
 
 
-def _rope_scaling(reader: GGUFReader) -> dict[str, float | int | str] | None:
-    """HF `rope_scaling` for llama.cpp's linear/yarn scaling metadata, or None when unscaled."""
-    kind = _field(reader, "llama.rope.scaling.type", "none")
+# --- the config ------------------------------------------------------------------------------------
+
+
+def hf_config(gguf: GGUFFile, family: _Family) -> PretrainedConfig:
+    """The transformers config the file's metadata describes (eos ids are set by the caller)."""
+    import torch
+    from transformers import AutoConfig
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    arch = gguf.architecture
+    default = AutoConfig.for_model(family.model_type).to_dict()
+    moe = "num_experts_per_tok" in default
+    for suffix in (*_REQUIRED_KEYS, "expert_used_count" if moe else "feed_forward_length"):
+        gguf.require(f"{arch}.{suffix}")
+
+    # transformers' own table, under its names for the architectures ("qwen3moe" -> "qwen3_moe").
+    table = GGUF_CONFIG_MAPPING[_transformers_arch(family)]
+    settings: dict[str, Any] = {}
+    for suffix, field in table.items():
+        if field is not None and field != -1 and f"{arch}.{suffix}" in gguf.metadata:
+            settings[field] = gguf.metadata[f"{arch}.{suffix}"]
+    for suffix, field in _MORE_CONFIG_KEYS.items():
+        if field in default and f"{arch}.{suffix}" in gguf.metadata:
+            settings[field] = gguf.metadata[f"{arch}.{suffix}"]
+    settings.update(_gguf_config_defaults(family, settings))
+
+    heads = settings["num_attention_heads"]
+    # llama.cpp omits head_count_kv when it equals head_count (no grouped-query attention).
+    settings.setdefault("num_key_value_heads", heads)
+    # llama.cpp states the head size when the model's config did; otherwise it is hidden / heads.
+    stated_head_dim = gguf.get(f"{arch}.attention.key_length")
+    head_dim = stated_head_dim or settings.get("head_dim") or settings["hidden_size"] // heads
+    if stated_head_dim or "head_dim" in default or head_dim != settings["hidden_size"] // heads:
+        settings["head_dim"] = head_dim
+    else:
+        settings.pop("head_dim", None)
+    rotary_dim = gguf.get(f"{arch}.rope.dimension_count") or head_dim
+    if rotary_dim != head_dim:
+        settings["partial_rotary_factor"] = rotary_dim / head_dim
+    # 10000 is llama.cpp's default when the file does not state a base.
+    settings["rope_theta"] = float(gguf.get(f"{arch}.rope.freq_base", 10000.0))
+    settings["rope_scaling"] = _rope_scaling(gguf, settings, rotary_dim)
+    if settings.get("sliding_window") == 0:
+        settings["sliding_window"] = None  # llama.cpp's phi3 writes 0 for "none"
+    if family.model_type == "mistral":
+        # llama.cpp runs Mistral as llama, without a window (MistralConfig's default is 4096).
+        settings.setdefault("sliding_window", None)
+    if family.model_type == "phi3":
+        settings["original_max_position_embeddings"] = gguf.get(
+            f"{arch}.rope.scaling.original_context_length", settings["max_position_embeddings"]
+        )
+    if family.layout in _GEMMA_27B_LAYERS:
+        settings["query_pre_attn_scalar"] = _gemma_query_scale(gguf, settings)
+    if family.layout == "gemma3":
+        settings["rope_local_base_freq"] = float(gguf.get(f"{arch}.rope.freq_base_swa", 10000.0))
+        pattern = gguf.get(f"{arch}.attention.sliding_window_pattern")
+        if pattern is not None:
+            settings["layer_types"] = _layer_types(pattern, settings["num_hidden_layers"])
+    if moe:
+        _moe_widths(gguf, settings, default)
+    if "attention_bias" in default:
+        settings["attention_bias"] = any(name.endswith(".attn_q.bias") for name in gguf.tensors)
+    if "mlp_bias" in default:
+        settings["mlp_bias"] = any(name.endswith(".ffn_up.bias") for name in gguf.tensors)
+
+    embedding = gguf.tensors.get("token_embd.weight")
+    if embedding is not None:
+        settings["vocab_size"] = embedding.shape[0]
+    settings.setdefault("vocab_size", gguf.get("tokenizer.ggml.tokens"))  # kept as its length
+    # llama.cpp writes `output.weight` only when it differs from the token embedding.
+    settings["tie_word_embeddings"] = "output.weight" not in gguf.tensors
+    settings["bos_token_id"] = gguf.get("tokenizer.ggml.bos_token_id")
+    settings["pad_token_id"] = gguf.get("tokenizer.ggml.padding_token_id")
+    settings["eos_token_id"] = gguf.get("tokenizer.ggml.eos_token_id")
+    settings.pop("model_type", None)
+
+    config = AutoConfig.for_model(family.model_type, **settings)
+    config.architectures = [_causal_lm_class_name(family.model_type)]
+    config.dtype = torch.float32
+    return config
+
+
+def _transformers_arch(family: _Family) -> str:
+    """transformers' name for the architecture in its GGUF tables."""
+    return "gemma3" if family.model_type == "gemma3_text" else family.model_type
+
+
+def _gguf_config_defaults(family: _Family, settings: dict[str, Any]) -> dict[str, Any]:
+    """transformers' GGUF-specific defaults (what llama.cpp hard-codes), for fields the file left out."""
+    try:
+        from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING
+    except ImportError:  # older transformers
+        return {}
+    defaults = GGUF_CONFIG_DEFAULTS_MAPPING.get(_transformers_arch(family), {})
+    return {key: value for key, value in defaults.items() if key not in settings}
+
+
+def _causal_lm_class_name(model_type: str) -> str:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+
+
+def _rope_scaling(gguf: GGUFFile, settings: dict[str, Any], rotary_dim: int) -> dict[str, Any] | None:
+    """HF's rope scaling parameters from llama.cpp's metadata and rope tensors, or None when unscaled."""
+    arch = gguf.architecture
+    if "rope_factors_long.weight" in gguf.tensors:
+        long = gguf.float32("rope_factors_long.weight")
+        # llama.cpp leaves contexts within the original length unscaled when there are no short factors.
+        short = gguf.float32("rope_factors_short.weight") if "rope_factors_short.weight" in gguf.tensors else None
+        scaling = {
+            "rope_type": "longrope",
+            "long_factor": long.tolist(),
+            "short_factor": short.tolist() if short is not None else [1.0] * len(long),
+        }
+        # Stated only where it is not the value HF derives from the two context lengths by itself.
+        attention_factor = gguf.get(f"{arch}.rope.scaling.attn_factor")
+        original = gguf.get(f"{arch}.rope.scaling.original_context_length") or settings["max_position_embeddings"]
+        scale = settings["max_position_embeddings"] / original
+        derived = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+        if attention_factor is not None and not math.isclose(attention_factor, derived, rel_tol=1e-6):
+            scaling["attention_factor"] = attention_factor
+        return scaling
+    if "rope_freqs.weight" in gguf.tensors:
+        return llama3_rope_scaling(
+            gguf.float32("rope_freqs.weight"),
+            rope_theta=settings["rope_theta"],
+            rotary_dim=rotary_dim,
+            original_context=gguf.get(f"{arch}.rope.scaling.original_context_length"),
+            source=gguf.path,
+        )
+    kind = gguf.get(f"{arch}.rope.scaling.type", "none")
     if kind == "none":
         return None
     if kind not in ("linear", "yarn"):
-        raise NotImplementedError(f"GGUF rope scaling type {kind!r} is not supported")
-    scaling: dict[str, float | int | str] = {
-        "rope_type": kind,
-        "factor": float(_field(reader, "llama.rope.scaling.factor")),
-    }
-    original = _field(reader, "llama.rope.scaling.original_context_length")
+        raise ValueError(f"{gguf.path}: GGUF rope scaling type {kind!r} is not supported (linear, yarn)")
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": float(gguf.require(f"{arch}.rope.scaling.factor"))}
+    original = gguf.get(f"{arch}.rope.scaling.original_context_length")
     if original is not None:
         scaling["original_max_position_embeddings"] = int(original)
+    if kind == "yarn":
+        for suffix, field in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            if f"{arch}.rope.scaling.{suffix}" in gguf.metadata:
+                scaling[field] = float(gguf.metadata[f"{arch}.rope.scaling.{suffix}"])
     return scaling
 
 
-def _hf_name(gguf_name: str) -> str:
-    if gguf_name in _GGUF_GLOBAL_TENSORS:
-        return _GGUF_GLOBAL_TENSORS[gguf_name]
-    match = _LAYER_TENSOR.fullmatch(gguf_name)
-    if match is not None and match[2] in _GGUF_LAYER_TENSORS:
-        return f"model.layers.{match[1]}.{_GGUF_LAYER_TENSORS[match[2]]}.weight"
-    if gguf_name == "rope_freqs.weight":
-        # Llama-3-style frequency scaling is stored as per-dimension factors that HF's `llama3` rope
-        # parameters cannot be recovered from; silently dropping them would change long-context outputs.
-        raise NotImplementedError("GGUF rope_freqs tensors (Llama 3 rope scaling) are not supported")
-    raise ValueError(f"unexpected tensor {gguf_name!r} in a llama GGUF file")
+def llama3_rope_factors(
+    rope_theta: float, rotary_dim: int, factor: float, low: float, high: float, original: float
+) -> np.ndarray:
+    """The per-frequency divisors llama.cpp stores as `rope_freqs` for HF's `llama3` rope scaling."""
+    freqs = 1.0 / rope_theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)
+    wavelen = 2 * math.pi / freqs
+    smooth = (original / wavelen - low) / (high - low)
+    medium = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, medium))
 
 
-def _unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undo llama.cpp's Q/K row permutation.
+def llama3_rope_scaling(
+    rope_freqs: np.ndarray,
+    rope_theta: float,
+    rotary_dim: int,
+    original_context: int | None = None,
+    source: StrPath = "GGUF file",
+) -> dict[str, Any] | None:
+    """HF `llama3` rope parameters that reproduce a `rope_freqs` tensor, or None for all ones.
 
-    llama.cpp's converter reorders each head's rows from HF's rotate-half RoPE layout to interleaved
-    pairs: `w.reshape(heads, 2, rows // heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)`.
+    The factors only pin down the ratios original/low and original/high (and `factor`), so the
+    original context is taken as llama.cpp's converter assumes it (8192, unless the file states
+    one), Llama 3's own low/high (1, 4) are tried first, then a fit of the smoothed band; whatever
+    is chosen must reproduce every factor.
     """
-    rows, cols = weight.shape
-    return weight.reshape(num_heads, rows // num_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+    factors = np.asarray(rope_freqs, dtype=np.float64)
+    if factors.shape != (rotary_dim // 2,):
+        raise ValueError(f"{source}: rope_freqs has shape {factors.shape}, expected ({rotary_dim // 2},)")
+    if np.allclose(factors, 1.0):
+        return None
+    factor = float(factors.max())
+    original = float(original_context or 8192)
+    candidates = [(1.0, 4.0)]
+    medium = (factors > 1 + 1e-6) & (factors < factor * (1 - 1e-6))
+    if medium.sum() >= 2 and factor > 1:
+        # medium factors r: 1/r = (1 - s)/factor + s with s = original/wavelen/(high - low) - low/(high - low)
+        wavelen = 2 * math.pi * rope_theta ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)
+        smooth = (1 / factors[medium] - 1 / factor) / (1 - 1 / factor)
+        slope, intercept = np.polyfit(1 / wavelen[medium], smooth, 1)
+        low, high = -intercept * original / slope, (1 - intercept) * original / slope
+        candidates += [(round(low, 4), round(high, 4)), (low, high)]
+    for low, high in candidates:
+        if high > low and np.allclose(
+            llama3_rope_factors(rope_theta, rotary_dim, factor, low, high, original), factors, rtol=1e-4, atol=0
+        ):
+            return {
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": low,
+                "high_freq_factor": high,
+                "original_max_position_embeddings": int(original),
+            }
+    raise ValueError(f"{source}: its rope_freqs tensor does not follow Llama 3's rope scaling; not supported")
 
 
-def _hf_tensors(reader: GGUFReader, params: LlamaHyperparameters) -> dict[str, np.ndarray]:
-    """All tensors under HF names, dequantized to contiguous float32 (numpy shape is HF's [out, in])."""
-    heads = {"attn_q": params.num_heads, "attn_k": params.num_kv_heads}
-
-    def convert(tensor: ReaderTensor) -> tuple[str, np.ndarray]:
-        weight = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-        kind = tensor.name.split(".")[-2]  # "blk.3.attn_q.weight" -> "attn_q"
-        if kind in heads:
-            weight = _unpermute_rows(weight, heads[kind])
-        return _hf_name(tensor.name), np.ascontiguousarray(weight)
-
-    # numpy releases the GIL in the bulk array work of dequantization, so threads use every core.
-    with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:
-        return dict(pool.map(convert, reader.tensors))
+def _gemma_query_scale(gguf: GGUFFile, settings: dict[str, Any]) -> float:
+    """Gemma's `query_pre_attn_scalar`: queries are scaled by its inverse square root."""
+    scale = gguf.get(f"{gguf.architecture}.attention.scale")
+    if scale:
+        scalar = 1 / scale**2
+        return round(scalar) if math.isclose(scalar, round(scalar), rel_tol=1e-4) else scalar
+    if settings["num_hidden_layers"] == _GEMMA_27B_LAYERS[gguf.architecture]:
+        return settings["hidden_size"] // settings["num_attention_heads"]
+    return settings["head_dim"]
 
 
-def _llama_config(params: LlamaHyperparameters, vocab_size: int, tied: bool) -> LlamaConfig:
-    # transformers is imported here, not at module level, so that a cache hit stays fast.
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=params.hidden_size,
-        intermediate_size=params.intermediate_size,
-        num_hidden_layers=params.num_layers,
-        num_attention_heads=params.num_heads,
-        num_key_value_heads=params.num_kv_heads,
-        head_dim=params.head_dim,
-        max_position_embeddings=params.context_length,
-        rms_norm_eps=params.rms_norm_eps,
-        # Legacy keyword arguments, accepted by every supported transformers version (v5 folds them
-        # into `rope_parameters`).
-        rope_theta=params.rope_theta,
-        rope_scaling=params.rope_scaling,
-        bos_token_id=params.bos_token_id,
-        eos_token_id=_one_or_list(params.eos_token_ids),
-        pad_token_id=params.pad_token_id,
-        tie_word_embeddings=tied,
-        torch_dtype="float32",
-        architectures=["LlamaForCausalLM"],
-    )
+def _layer_types(pattern: int | list, layers: int) -> list[str]:
+    """llama.cpp's sliding-window pattern (every n-th layer global, or a flag per layer) as HF layer types."""
+    if isinstance(pattern, list):
+        return ["sliding_attention" if flag else "full_attention" for flag in pattern[:layers]]
+    return ["full_attention" if pattern and (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
 
 
-def _generation_config(params: LlamaHyperparameters) -> GenerationConfig:
-    from transformers import GenerationConfig
+def _moe_widths(gguf: GGUFFile, settings: dict[str, Any], default: dict[str, Any]) -> None:
+    """Expert widths the file does not state, read off the first layer's expert tensors."""
+    shapes = {name.removeprefix("blk.0."): info.shape for name, info in gguf.tensors.items()}
+    if "moe_intermediate_size" not in settings and "ffn_down_exps.weight" in shapes:
+        settings["moe_intermediate_size"] = shapes["ffn_down_exps.weight"][-1]
+    if "num_experts" not in settings and "ffn_down_exps.weight" in shapes:
+        settings["num_experts"] = shapes["ffn_down_exps.weight"][0]
+    if (
+        "shared_expert_intermediate_size" in default
+        and "shared_expert_intermediate_size" not in settings
+        and "ffn_down_shexp.weight" in shapes
+    ):
+        settings["shared_expert_intermediate_size"] = shapes["ffn_down_shexp.weight"][-1]
 
-    return GenerationConfig(
-        bos_token_id=params.bos_token_id,
-        eos_token_id=_one_or_list(params.eos_token_ids),
-        pad_token_id=params.pad_token_id,
-    )
 
-
-def _one_or_list(ids: tuple[int, ...]) -> int | list[int] | None:
+def _one_or_list(ids: list[int]) -> int | list[int] | None:
     """HF's convention for `eos_token_id`: a single id, a list of ids, or None."""
     if not ids:
         return None
     return ids[0] if len(ids) == 1 else list(ids)
 
 
-def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
-    """Build the tokenizer from the GGUF vocabulary with transformers' own GGUF conversion and save it.
+def _end_of_generation_ids(gguf: GGUFFile, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The file's eos, end-of-turn and end-of-message ids, then the turn-ending tokens its chat template writes."""
+    ids = [gguf.get(f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot", "eom")]
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    vocab = tokenizer.get_vocab()
+    ids += [vocab.get(token) for token in _TURN_END_TOKENS if token in template]
+    return list(dict.fromkeys(i for i in ids if i is not None))
+
+
+def _generation_config(config: PretrainedConfig, eos_ids: list[int]):
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=_one_or_list(eos_ids), pad_token_id=config.pad_token_id
+    )
+
+
+def _tokenizer(gguf_path: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer built from the GGUF vocabulary by transformers' own GGUF conversion.
 
     `PreTrainedTokenizerFast` directly, not `AutoTokenizer`: the latter also rebuilds the model config
     from the file with a second full metadata parse (~3 s); the tokenizer it returns is the same.
@@ -300,5 +639,121 @@ def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
     """
     from transformers import PreTrainedTokenizerFast
 
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    tokenizer.save_pretrained(out_dir)
+    try:
+        return PreTrainedTokenizerFast.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    except (ValueError, KeyError, NotImplementedError) as error:
+        raise ValueError(f"{gguf_path}: cannot build its tokenizer: {error}") from error
+
+
+# --- the weights -----------------------------------------------------------------------------------
+
+
+@dataclass
+class _WeightPlan:
+    """Which GGUF tensor becomes which parameter, checked against a meta-device model skeleton."""
+
+    gguf: GGUFFile
+    family: _Family
+    config: PretrainedConfig
+
+    def __post_init__(self) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+        with torch.device("meta"):
+            self.skeleton: PreTrainedModel = AutoModelForCausalLM.from_config(self.config)
+        self.processor = TENSOR_PROCESSORS.get(self.family.layout, TensorProcessor)(config=self.config.to_dict())
+        state = self.skeleton.state_dict()
+        # gguf's name table is chosen from the model type; a mistral file uses llama's names.
+        model_type = "llama" if self.family.layout == "llama" else None
+        self.names: dict[str, str] = get_gguf_hf_weights_map(_Flat(self.config, state), self.processor, model_type)
+        self.shapes = {name: tuple(p.shape) for name, p in state.items()}
+        if self.config.tie_word_embeddings:
+            self.shapes.pop("lm_head.weight", None)
+
+        path, cls = self.gguf.path, type(self.skeleton).__name__
+        self.sources = [name for name in self.gguf.tensors if name not in _ROPE_TENSORS]
+        unknown = [name for name in self.sources if self._target(name) is None]
+        if unknown:
+            raise ValueError(f"{path}: tensors {_some(unknown)} have no counterpart in {cls}")
+        missing = sorted(set(self.shapes) - {self._target(name) for name in self.sources})
+        if missing:
+            raise ValueError(f"{path}: no tensor for {cls} parameters {_some(missing)}")
+        for name in self.sources:  # one tensor, one parameter (not stacked experts): the sizes must agree
+            info, target = self.gguf.tensors[name], self.names.get(name)
+            if target is not None and math.prod(info.shape) != math.prod(self.shapes.get(target, info.shape)):
+                raise ValueError(
+                    f"{path}: tensor {name} has shape {info.shape}; {cls}.{target} is {self.shapes[target]}"
+                )
+
+    def _target(self, gguf_name: str) -> str | None:
+        # transformers keys stacked MoE experts without the ".weight" suffix.
+        return self.names.get(gguf_name) or self.names.get(gguf_name.removesuffix(".weight"))
+
+    def run(self) -> dict[str, torch.Tensor]:
+        """Every parameter as float32, under the names transformers saves checkpoints with."""
+        import torch
+
+        state: dict[str, torch.Tensor] = {}
+        parsed = {"tensors": state}  # where transformers' MoE processors put the experts they stack
+        # numpy releases the GIL in the bulk array work of dequantization, so threads use every core;
+        # transformers' processors run here, in file order (the MoE ones fill shared tensors).
+        with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:
+            for name, weights in zip(self.sources, pool.map(self.gguf.float32, self.sources), strict=True):
+                result = self.processor.process(
+                    weights=weights, name=name, tensor_key_mapping=self.names, parsed_parameters=parsed
+                )
+                if result.name is not None:
+                    state[self.names[result.name]] = torch.from_numpy(np.ascontiguousarray(result.weights))
+        for name, tensor in state.items():
+            state[name] = self._fit(name, tensor)
+        return {name: _own(tensor) for name, tensor in self._saved_layout(state).items()}
+
+    def _fit(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        expected = self.shapes[name]
+        if tuple(tensor.shape) == expected:
+            return tensor
+        # llama.cpp drops size-1 dimensions (a shared-expert gate is [hidden], not [1, hidden]).
+        if [d for d in tensor.shape if d != 1] == [d for d in expected if d != 1]:
+            return tensor.reshape(expected)
+        raise ValueError(f"{self.gguf.path}: {name} has shape {tuple(tensor.shape)}, expected {expected}")
+
+    def _saved_layout(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """transformers 5 fuses some checkpoint tensors when it loads them (MoE experts) and splits them
+        again when it saves; the folder holds the saved form, like any checkpoint."""
+        try:
+            from transformers.core_model_loading import revert_weight_conversion
+        except ImportError:  # transformers 4: the model's names are the checkpoint's
+            return state
+        return revert_weight_conversion(self.skeleton, state)
+
+
+class _Flat:
+    """What `get_gguf_hf_weights_map` reads of a model, without submodules.
+
+    It also maps every submodule on its own (for checkpoints saved from a base model, like Bloom's),
+    which costs ~5 s on a 30-layer model and finds nothing new for these architectures.
+    """
+
+    def __init__(self, config: PretrainedConfig, state: dict[str, torch.Tensor]) -> None:
+        self.config = config
+        self._state = state
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self._state
+
+    def named_children(self) -> list:
+        return []
+
+
+def _own(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` with storage of its own: safetensors refuses tensors that share memory (split experts)."""
+    if tensor.untyped_storage().nbytes() == tensor.nbytes and tensor.is_contiguous():
+        return tensor
+    return tensor.clone() if tensor.is_contiguous() else tensor.contiguous()
+
+
+def _some(names: list[str], limit: int = 6) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import logging
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -9,12 +12,16 @@ import torch
 from safetensors import safe_open
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from pagedllm.models.config import ModelConfig
-from pagedllm.models.llama import LlamaForCausalLM
+from pagedllm.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from pagedllm.models.decoder import CausalLM
+from pagedllm.models.moe import moe_weights
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM"}
+__all__ = ["SUPPORTED_ARCHITECTURES", "LoadedModel", "load_model", "resolve_model_folder"]
 
-# Checkpoint names fused into one matrix here: (target, [parts in order]).
+logger = logging.getLogger(__name__)
+
+# Our fused matrices and the checkpoint's parts, in order; a checkpoint that stores the fused matrix
+# itself (Phi3's qkv_proj and gate_up_proj) is read as is.
 _FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
@@ -23,7 +30,7 @@ _FUSED = {
 
 @dataclass(slots=True)
 class LoadedModel:
-    model: LlamaForCausalLM
+    model: CausalLM
     config: ModelConfig
     tokenizer: PreTrainedTokenizerBase
     folder: Path
@@ -44,14 +51,14 @@ def resolve_model_folder(model: str | Path | None) -> Path:
 
 def load_model(model: str | Path | None, dtype: torch.dtype, device: str = "cpu") -> LoadedModel:
     folder = resolve_model_folder(model)
+    # Unsupported architectures, missing fields and options we cannot follow exactly fail here,
+    # before any weight is read.
     config = ModelConfig.from_folder(folder)
-    if not set(config.architectures) & SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"unsupported architecture {list(config.architectures)}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
-        )
+    for note in config.notes:
+        logger.warning(note)
     # Parameters start as uninitialised (untouched) memory; the checkpoint's tensors replace them.
-    net = LlamaForCausalLM(config)
-    net.load_state_dict(_read_state_dict(folder, net, dtype), assign=True)
+    net = CausalLM(config)
+    net.load_state_dict(read_state_dict(folder, net, dtype), assign=True)
     if config.tie_word_embeddings:
         net.lm_head.weight = net.embed_tokens.weight
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -60,38 +67,80 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: str = "cpu"
     return LoadedModel(net, config, tokenizer, folder)
 
 
-def _read_state_dict(folder: Path, net: LlamaForCausalLM, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    raw = _read_checkpoint(folder)
-    return {name: _checkpoint_tensor(raw, name).to(dtype) for name in net.state_dict(keep_vars=True)}
+def read_state_dict(folder: Path, net: CausalLM, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every parameter of `net` from the checkpoint in `folder`, in `dtype`."""
+    raw = Checkpoint(folder)
+    names = list(net.state_dict(keep_vars=True))
+    out: dict[str, torch.Tensor] = {}
+    moe = net.config.moe
+    if moe is not None:
+        for i, sparse in enumerate(moe.layers):
+            if sparse:
+                prefix = next(
+                    (p.format(i=i) for p in moe.checkpoint_prefixes if p.format(i=i) + "gate.weight" in raw),
+                    moe.checkpoint_prefixes[0].format(i=i),
+                )
+                for key, tensor in moe_weights(raw, prefix, moe.num_experts).items():
+                    out[f"layers.{i}.mlp.{key}"] = tensor.to(dtype)
+    for name in names:
+        if name not in out:
+            out[name] = _checkpoint_tensor(raw, name).to(dtype)
+    return out
 
 
-def _checkpoint_tensor(raw: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+def _checkpoint_tensor(raw: Checkpoint, name: str) -> torch.Tensor:
     """Our parameter `name` from checkpoint tensors: renamed (`model.` prefix) or concatenated (fused)."""
+    if f"model.{name}" in raw:
+        return raw[f"model.{name}"]
     for fused, parts in _FUSED.items():
         if fused in name:
-            pieces = [_lookup(raw, name.replace(fused, part)) for part in parts]
-            return torch.cat(pieces, dim=0)
+            return torch.cat([_lookup(raw, name.replace(fused, part)) for part in parts], dim=0)
     return _lookup(raw, name)
 
 
-def _lookup(raw: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+def _lookup(raw: Checkpoint, name: str) -> torch.Tensor:
     if name == "lm_head.weight":
         if "lm_head.weight" in raw:
             return raw["lm_head.weight"]
+        # Tied embeddings, or a converted GGUF file without a separate output matrix.
         return raw["model.embed_tokens.weight"]
     key = f"model.{name}"
     if key not in raw:
-        raise KeyError(f"checkpoint lacks {key}")
+        raise KeyError(f"checkpoint in {raw.folder} lacks {key}")
     return raw[key]
 
 
-def _read_checkpoint(folder: Path) -> dict[str, torch.Tensor]:
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no .safetensors weights in {folder}")
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        with safe_open(file, framework="pt") as handle:
-            for key in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
-                tensors[key] = handle.get_tensor(key)
-    return tensors
+class Checkpoint(Mapping[str, torch.Tensor]):
+    """The tensors of a folder's safetensors files by name, each read when asked for. With
+    `model.safetensors.index.json` (a sharded checkpoint) the index names the files; otherwise every
+    `*.safetensors` file in the folder is read."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted({folder / name for name in weight_map.values()})
+            missing = [f.name for f in files if not f.is_file()]
+            if missing:
+                raise FileNotFoundError(f"{index} names shards that are not in {folder}: {missing}")
+        else:
+            files = sorted(folder.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"no .safetensors weights in {folder}")
+        self._handles = [safe_open(file, framework="pt") for file in files]
+        self._where = {key: handle for handle in self._handles for key in handle.keys()}  # noqa: SIM118
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self._where:
+            raise KeyError(f"checkpoint in {self.folder} lacks {key}")
+        return self._where[key].get_tensor(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._where
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from pagedllm.attention import AttentionMetadata, get_backend
-from pagedllm.models.llama import LlamaForCausalLM, StepContext
+from pagedllm.models.decoder import CausalLM, StepContext
 from pagedllm.step import ScheduledSeq
 
 
@@ -59,7 +59,7 @@ def _pad_tables(tables: list[list[int]]) -> torch.Tensor:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int):
+    def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from pagedllm.models.llama import LlamaForCausalLM
+from pagedllm.models.decoder import CausalLM
 from pagedllm.sequence import Sequence
 from pagedllm.step import ModelOutput, RowOutput, SampleRow, SchedulerOutput
 from pagedllm.worker.cache_engine import CacheEngine, KVShape
@@ -35,7 +35,7 @@ class StepTimer:
 class Worker:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         shape: KVShape,
         num_blocks: int,
         num_cpu_blocks: int,
