@@ -62,6 +62,11 @@ def test_a_tight_budget_admits_fewer_requests_under_reservation():
     assert replay_paged(TRACE, budget=20, block_size=4).peak_concurrency == 2
 
 
+def test_a_request_larger_than_the_budget_is_refused_not_replayed_forever():
+    with pytest.raises(ValueError, match="does not fit"):
+        replay_paged([request(6, 48)], budget=32, block_size=4)
+
+
 def test_paged_allocator_preempts_and_still_finishes_everything():
     trace = [request(6, 10) for _ in range(3)]
     result = replay_paged(trace, budget=32, block_size=4)
@@ -149,3 +154,15 @@ def test_bench_memory_command_writes_every_series_and_the_plots(tmp_path, capsys
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
     table = capsys.readouterr().out
     assert "parallel-n4: 12 requests x 4 samples" in table and "paged-16" in table
+
+
+def test_a_sliding_window_lets_the_paged_allocator_hold_more_at_once():
+    """Outputs 6x the window: with every layer sliding, each request holds only its window's blocks, so the
+    budget that holds one whole request at a time now holds all three."""
+    trace = [request(6, 48) for _ in range(3)]
+    plain = replay_paged(trace, budget=64, block_size=4)
+    windowed = replay_paged(trace, budget=64, block_size=4, sliding_window=8)
+    # All three start (their prompts are short); without a window they soon preempt one another.
+    assert min(plain.concurrency[:40]) < 3 and min(windowed.concurrency[:40]) == 3
+    assert windowed.steps < plain.steps
+    assert windowed.allocator == "paged-4-w8" and all(0 < u <= 1 for u in windowed.utilization)

@@ -133,8 +133,12 @@ def replay_contiguous(trace: list[TraceRequest], budget: int, policy: str, max_m
     return result
 
 
-def replay_paged(trace: list[TraceRequest], budget: int, block_size: int) -> MemoryResult:
-    kv = KVCacheManager(budget // block_size, block_size)
+def replay_paged(trace: list[TraceRequest], budget: int, block_size: int, sliding_window: int = 0) -> MemoryResult:
+    """`sliding_window` > 0: a model whose every layer slides, so blocks its window has passed go back."""
+    kv = KVCacheManager(budget // block_size, block_size, sliding_window=sliding_window)
+    # A request that cannot fit alone would be admitted, grown and preempted forever.
+    if any(kv.blocks_to_hold(r.final_len, r.prompt_len) * r.n > kv.num_blocks for r in trace):
+        raise ValueError(f"a request does not fit a budget of {budget} slots in blocks of {block_size}")
     first_seq = list(itertools.accumulate((r.n for r in trace), initial=0))
 
     def seqs(index: int) -> range:
@@ -142,7 +146,7 @@ def replay_paged(trace: list[TraceRequest], budget: int, block_size: int) -> Mem
 
     waiting = deque(range(len(trace)))
     lengths: dict[int, int] = {}
-    result = MemoryResult(f"paged-{block_size}")
+    result = MemoryResult(f"paged-{block_size}" + (f"-w{sliding_window}" if sliding_window else ""))
     while waiting or lengths:
         for index in list(lengths):
             while index in lengths and not _grow(kv, seqs(index), lengths[index]):
@@ -204,9 +208,11 @@ def _stored_slots(kv: KVCacheManager, lengths: dict[int, int]) -> int:
     return kv.pool.num_used * kv.block_size - sum(empty.values())
 
 
-def run_all(trace: list[TraceRequest], budget: int, max_model_len: int, block_sizes: list[int]) -> list[MemoryResult]:
+def run_all(
+    trace: list[TraceRequest], budget: int, max_model_len: int, block_sizes: list[int], sliding_window: int = 0
+) -> list[MemoryResult]:
     results = [replay_contiguous(trace, budget, policy, max_model_len) for policy in CONTIGUOUS]
-    return results + [replay_paged(trace, budget, size) for size in block_sizes]
+    return results + [replay_paged(trace, budget, size, sliding_window) for size in block_sizes]
 
 
 def add_bench_memory_args(parser: argparse.ArgumentParser) -> None:
@@ -216,6 +222,9 @@ def add_bench_memory_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--block-sizes", default="1,8,16,32,64,128")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--sliding-window", type=int, default=0, help="tokens every layer sees back (paged allocators free the rest)"
+    )
     parser.add_argument("--out", type=Path, default=None, help="write memory.json (every series) and plots here")
 
 
@@ -223,7 +232,7 @@ def run_bench_memory(args: argparse.Namespace) -> int:
     workload = make_workload(args.workload, args.num_prompts, VOCAB_SIZE, args.max_model_len, args.seed)
     trace = trace_from_workload(workload, args.max_model_len)
     sizes = [int(size) for size in args.block_sizes.split(",")]
-    results = run_all(trace, args.budget, args.max_model_len, sizes)
+    results = run_all(trace, args.budget, args.max_model_len, sizes, args.sliding_window)
     samples = f" x {trace[0].n} samples" if trace and trace[0].n > 1 else ""
     limits = f"budget {args.budget} token slots, max_model_len {args.max_model_len}"
     print(f"{args.workload}: {len(trace)} requests{samples}, {limits}")
