@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention import AttentionMetadata, get_backend, paged_attention
+from pagedllm.attention import AttentionCall, AttentionMetadata, get_backend, paged_attention
 
 H200_BYTES_PER_S = 4.8e12
 FLASH_ATTN_PAGE = 256  # flash_attn_with_kvcache needs pages that are multiples of 256 tokens
@@ -284,9 +284,10 @@ def cuda_candidates(case: Case) -> dict[str, Callable[[], torch.Tensor]]:
 
     block_size = case.k_cache.shape[1]
     metadata = AttentionMetadata.build(case.block_tables, case.seq_lens, case.query_start_loc, block_size, "cuda")
+    call = AttentionCall(case.query, case.k_cache, case.v_cache, metadata, case.scale)
 
     def triton_decode(version: int) -> Callable[[], torch.Tensor]:
-        return lambda: triton_ops.attend(case.query, case.k_cache, case.v_cache, metadata, case.scale, version=version)
+        return lambda: triton_ops.attend(call, version=version)
 
     return {
         "contiguous_sdpa": lambda: contiguous_decode(case),

@@ -181,7 +181,7 @@ def test_engine_call_runs_the_kernel_for_prefill_and_decode(monkeypatch):
     # once for the whole batch, whole prompts included, rather than torch's attention.
     calls = []
     kernel = cpu.attend
-    monkeypatch.setattr(cpu, "attend", lambda *args, **options: calls.append(args) or kernel(*args, **options))
+    monkeypatch.setattr(cpu, "attend", lambda call: calls.append(call) or kernel(call))
     case = make_case(16, 9, 3, 64, torch.bfloat16, [50, 9, 30], [50, 1, 4], unused=float("nan"))
     query, k_cache, v_cache, tables, lens, starts = case
     metadata = AttentionMetadata.build(tables, lens, starts, 16, "cpu")
@@ -389,7 +389,7 @@ def test_window_and_softcap_reach_every_backend_call(monkeypatch):
     # The engine's per-layer call passes them as keywords; the C kernel gets them in one call.
     calls = []
     kernel = cpu.attend
-    monkeypatch.setattr(cpu, "attend", lambda *args, **kw: calls.append(kw) or kernel(*args, **kw))
+    monkeypatch.setattr(cpu, "attend", lambda call: calls.append((call.window, call.softcap)) or kernel(call))
     case = make_case(16, 9, 3, 64, torch.bfloat16, [50, 9, 30], [50, 1, 4], unused=float("nan"))
     query, k_cache, v_cache, tables, lens, starts = case
     metadata = AttentionMetadata.build(tables, lens, starts, 16, "cpu")
@@ -397,7 +397,7 @@ def test_window_and_softcap_reach_every_backend_call(monkeypatch):
     expected = paged_attention(
         query, k_cache, v_cache, tables, lens, starts, 0.125, backend="reference", window=8, softcap=3.0
     )
-    assert calls == [{"window": 8, "softcap": 3.0}]
+    assert calls == [(8, 3.0)]
     torch.testing.assert_close(got.float(), expected.float(), atol=1e-2, rtol=1e-2)
     with pytest.raises(ValueError, match="window and softcap"):
         paged_attention(query, k_cache, v_cache, tables, lens, starts, 0.125, window=-1)

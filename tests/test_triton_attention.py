@@ -37,7 +37,7 @@ pytest.importorskip("triton")
 if not ON_GPU:
     interpret_triton_on_cpu()
 
-from pagedllm.attention import AttentionMetadata, paged_attention, triton_ops  # noqa: E402
+from pagedllm.attention import AttentionCall, AttentionMetadata, paged_attention, triton_ops  # noqa: E402
 from pagedllm.attention import write_kv as cpu_write_kv  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -83,11 +83,14 @@ def reference(case: tuple[torch.Tensor, ...], **options: float) -> torch.Tensor:
     return paged_attention(query, k_cache, v_cache, tables, lens, starts, scale, backend="reference", **options)
 
 
-def triton_attend(case: tuple[torch.Tensor, ...], scale: float, **options: float) -> torch.Tensor:
-    """The Triton backend's call, with its options (`partition_size`, `version`, `window`, `softcap`)."""
+def triton_attend(
+    case: tuple[torch.Tensor, ...], scale: float, window: int = 0, softcap: float = 0.0, **options: int
+) -> torch.Tensor:
+    """The Triton backend's call, with the layer's `window` and `softcap` and its own options (`partition_size`,
+    `version`)."""
     query, k_cache, v_cache, tables, lens, starts = case
     metadata = AttentionMetadata.build(tables, lens, starts, k_cache.shape[1], DEVICE)
-    return triton_ops.attend(query, k_cache, v_cache, metadata, scale, **options)
+    return triton_ops.attend(AttentionCall(query, k_cache, v_cache, metadata, scale, window, softcap), **options)
 
 
 def assert_matches(got: torch.Tensor, expected: torch.Tensor) -> None:
@@ -115,7 +118,7 @@ def test_mixed_batch_matches_reference(dtype, block_size, heads):
     query, k_cache, v_cache, tables, lens, starts = case
     one_launch = torch.empty_like(query)
     metadata = AttentionMetadata.build(tables, lens, starts, block_size, DEVICE)
-    triton_ops.mixed(query, k_cache, v_cache, metadata, one_launch, scale)
+    triton_ops.mixed(AttentionCall(query, k_cache, v_cache, metadata, scale), one_launch)
     assert_matches(one_launch, reference(case))
 
 
@@ -202,7 +205,7 @@ def test_windows_and_softcap_match_reference(block_size, heads, window, softcap)
     query, k_cache, v_cache, tables, seq_lens, starts = case
     one_launch = torch.empty_like(query)
     metadata = AttentionMetadata.build(tables, seq_lens, starts, block_size, DEVICE)
-    triton_ops.mixed(query, k_cache, v_cache, metadata, one_launch, scale, **options)
+    triton_ops.mixed(AttentionCall(query, k_cache, v_cache, metadata, scale, **options), one_launch)
     assert_matches(one_launch, expected)
 
 
@@ -260,7 +263,7 @@ def test_engine_route_matches_reference():
     metadata = AttentionMetadata.build(tables.cpu(), seq_lens.cpu(), starts.cpu(), 16, DEVICE)
     assert metadata.decode is not None and metadata.decode.rows.device == query.device
     assert all(chunk.query_start_loc.device == query.device for chunk in metadata.prefills)
-    got = triton_ops.attend(query, k_cache, v_cache, metadata, 0.125)
+    got = triton_ops.attend(AttentionCall(query, k_cache, v_cache, metadata, 0.125))
     expected = paged_attention(*(t.cpu() for t in case), 0.125, backend="reference")
     assert_matches(got, expected)
 

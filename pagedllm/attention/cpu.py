@@ -18,7 +18,7 @@ from functools import cache
 import torch
 
 from pagedllm import native
-from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.metadata import AttentionCall
 
 _PORTABLE = {torch.bfloat16: "paged_attention_bf16_portable", torch.float32: "paged_attention_f32_portable"}
 _FAST_BF16 = "paged_attention_bf16_avx512"  # only built where the compiler targets AVX512-BF16
@@ -88,31 +88,19 @@ def kernel_name(dtype: torch.dtype, head_dim: int) -> str:
     return _PORTABLE[dtype]
 
 
-def attend(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    metadata: AttentionMetadata,
-    scale: float,
-    *,
-    window: int = 0,
-    softcap: float = 0.0,
-) -> torch.Tensor:
-    """The causal attention of every sequence's query tokens in one kernel call: token j of sequence s, at
-    position p = `seq_lens[s] - q_len + j`, over positions 0..p, or with a `window` W > 0 over p - W + 1..p
-    only (block-table entries of blocks wholly before the window of the sequence's first query token are
-    never read); `softcap` c > 0 turns each scaled logit s into c * tanh(s / c). Only for tensors
-    `supports` accepts."""
+def attend(call: AttentionCall) -> torch.Tensor:
+    """Every sequence's query tokens in one kernel call (see `AttentionCall`). Only for tensors `supports`
+    accepts."""
     lib = library()
     assert lib is not None
-    query = query.contiguous()
+    query, k_cache, metadata = call.query.contiguous(), call.k_cache, call.metadata
     out = torch.empty(query.shape, dtype=query.dtype)
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     block_tables = metadata.block_tables
     getattr(lib, kernel_name(query.dtype, head_dim))(
         query.data_ptr(),
         k_cache.data_ptr(),
-        v_cache.data_ptr(),
+        call.v_cache.data_ptr(),
         block_tables.data_ptr(),
         block_tables.stride(0),
         metadata.seq_lens.data_ptr(),
@@ -123,8 +111,8 @@ def attend(
         num_kv_heads,
         head_dim,
         block_size,
-        scale,
-        int(window),
-        float(softcap),
+        call.scale,
+        int(call.window),
+        float(call.softcap),
     )
     return out

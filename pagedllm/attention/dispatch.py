@@ -1,36 +1,36 @@
 """Which attention backend runs where, and the calls the rest of the project makes.
 
-Backends, each `attend(query, k_cache, v_cache, metadata, scale, *, window=0, softcap=0.0)`: "triton" (the
+Backends, each a module whose `attend` takes one `AttentionCall` (its semantics, window and soft-cap
+included, are documented there), wrapped by `get_backend` in the public `Backend` call: "triton" (the
 GPU default, imported on first use because triton is optional on the CPU), "cpu" (the C kernel; tensors or
 machines it cannot take go to torch), "torch" (the fallback without a compiler) and "reference" (for
-tests). `window` W > 0 is a sliding window (the query at position p sees p - W < j <= p) and `softcap`
-c > 0 soft-caps the scaled logits (s -> c * tanh(s / c)), as Hugging Face transformers computes them; 0
-turns either off. With a window, no backend reads a block-table entry of a block that lies wholly before
-the window start of its sequence's first query token of the step: the engine frees those blocks."""
+tests)."""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from pagedllm.attention import cpu, reference, torch_ops
-from pagedllm.attention.metadata import AttentionMetadata, Backend
+from pagedllm.attention.metadata import AttentionCall, AttentionMetadata, Backend
+
+Attend = Callable[[AttentionCall], torch.Tensor]
 
 
-def _c_kernel_or_torch(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    metadata: AttentionMetadata,
-    scale: float,
-    *,
-    window: int = 0,
-    softcap: float = 0.0,
-) -> torch.Tensor:
-    if cpu.supports(query, k_cache):
-        return cpu.attend(query, k_cache, v_cache, metadata, scale, window=window, softcap=softcap)
-    return torch_ops.attend(query, k_cache, v_cache, metadata, scale, window=window, softcap=softcap)
+def _c_kernel_or_torch(call: AttentionCall) -> torch.Tensor:
+    return (cpu.attend if cpu.supports(call.query, call.k_cache) else torch_ops.attend)(call)
+
+
+def _public(attend: Attend) -> Backend:
+    """`attend` called as a `Backend`: the fields of its `AttentionCall` in order, window and softcap by name."""
+
+    def backend(*fields: Any, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+        return attend(AttentionCall(*fields, window=window, softcap=softcap))
+
+    return backend
 
 
 def get_backend(name: str | None, device: torch.device | str, *, partition_size: int | None = None) -> Backend:
@@ -42,12 +42,12 @@ def get_backend(name: str | None, device: torch.device | str, *, partition_size:
         from pagedllm.attention import triton_ops
 
         if partition_size is None:
-            return triton_ops.attend
-        return functools.partial(triton_ops.attend, partition_size=partition_size)
-    backends: dict[str, Backend] = {"cpu": _c_kernel_or_torch, "torch": torch_ops.attend, "reference": reference.attend}
+            return _public(triton_ops.attend)
+        return _public(functools.partial(triton_ops.attend, partition_size=partition_size))
+    backends: dict[str, Attend] = {"cpu": _c_kernel_or_torch, "torch": torch_ops.attend, "reference": reference.attend}
     if name not in backends:
         raise ValueError(f"backend must be 'reference', 'torch', 'cpu' or 'triton', got {name!r}")
-    return backends[name]
+    return _public(backends[name])
 
 
 def write_kv(
@@ -83,7 +83,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention of a flat batch of S sequences through their block tables (see DESIGN.md), in one call:
     the metadata the engine builds once per step, then the backend's `attend`. `window` and `softcap` as
-    in this module's docstring (0: off)."""
+    in `AttentionCall` (0: off)."""
     if window < 0 or softcap < 0:
         raise ValueError(f"window and softcap must be >= 0 (0 is off), got {window!r} and {softcap!r}")
     metadata = AttentionMetadata.build(block_tables, seq_lens, query_start_loc, k_cache.shape[1], query.device)

@@ -1,5 +1,6 @@
 """What every attention layer of one step reads: the step's block tables and lengths, built once per step
-on the device the layers run on, and the one call every backend answers to (`Backend`)."""
+on the device the layers run on, one layer's call on them (`AttentionCall`), and the one call every backend
+answers to (`Backend`)."""
 
 from __future__ import annotations
 
@@ -91,10 +92,29 @@ class AttentionMetadata:
         return cast(T, self._derived[name])
 
 
+@dataclass(frozen=True, slots=True)
+class AttentionCall:
+    """One layer's attention over a step, what every backend module's `attend` takes: query `[T, H, D]`
+    rows, that layer's caches `[num_blocks, block_size, H_kv, D]`, the step's metadata and the layer's
+    scale; the result is `[T, H, D]`. Token j of sequence s sits at position p = `seq_lens[s] - q_len + j`
+    and attends causally to positions 0..p, or with a sliding `window` W > 0 to p - W < j' <= p only;
+    `softcap` c > 0 turns each scaled logit s into c * tanh(s / c) before the mask and the softmax (both as
+    Hugging Face transformers computes them; 0 turns either off). With a window, no backend reads a
+    block-table entry of a block that lies wholly before the window start of its sequence's first query
+    token of the step: the engine frees those blocks, and their entries may be -1."""
+
+    query: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    metadata: AttentionMetadata
+    scale: float
+    window: int = 0
+    softcap: float = 0.0
+
+
 class Backend(Protocol):
-    """The call every attention backend answers: (query [T, H, D], k_cache, v_cache, metadata, scale) ->
-    [T, H, D], with caches `[num_blocks, block_size, H_kv, D]`; a layer's sliding `window` (positions
-    p - window < j <= p, 0: none) and logit `softcap` (s -> softcap * tanh(s / softcap), 0: none)."""
+    """The call every attention backend answers, the fields of an `AttentionCall` (`get_backend` wraps each
+    backend module's `attend(call)` in it)."""
 
     def __call__(
         self,

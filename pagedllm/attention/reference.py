@@ -1,13 +1,11 @@
 """The obviously-correct paged attention: one query token at a time, in float32. Kept for tests.
 
-A sliding `window` W > 0 and logit soft-capping `softcap` c > 0 as Hugging Face transformers computes them
-(`masking_utils.sliding_window_causal_mask_function`, Gemma 2's `eager_attention_forward`): the query at
-position p sees key positions p - W < j <= p, and its scaled logits s become c * tanh(s / c) before the
-mask and the softmax."""
+The sliding window and soft-capping of `AttentionCall` follow Hugging Face transformers' own code
+(`masking_utils.sliding_window_causal_mask_function`, Gemma 2's `eager_attention_forward`)."""
 
 import torch
 
-from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.metadata import AttentionCall
 
 
 def gather_sequence(cache: torch.Tensor, block_row: torch.Tensor, length: int, start: int = 0) -> torch.Tensor:
@@ -19,18 +17,10 @@ def gather_sequence(cache: torch.Tensor, block_row: torch.Tensor, length: int, s
     return cache[blocks, positions % block_size]
 
 
-def attend(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    metadata: AttentionMetadata,
-    scale: float,
-    *,
-    window: int = 0,
-    softcap: float = 0.0,
-) -> torch.Tensor:
+def attend(call: AttentionCall) -> torch.Tensor:
+    query, metadata, window, softcap = call.query, call.metadata, call.window, call.softcap
     out = torch.empty_like(query)
-    group = query.shape[1] // k_cache.shape[2]
+    group = query.shape[1] // call.k_cache.shape[2]
     starts, lens = metadata.query_start_loc.tolist(), metadata.seq_lens.tolist()
     for s, seq_len in enumerate(lens):
         start, end = starts[s], starts[s + 1]
@@ -40,14 +30,14 @@ def attend(
         first_position = seq_len - (end - start)
         lowest = max(0, first_position - window + 1) if window > 0 else 0
         table = metadata.block_tables[s]
-        keys = gather_sequence(k_cache, table, seq_len, lowest).float().repeat_interleave(group, dim=1)
-        values = gather_sequence(v_cache, table, seq_len, lowest).float().repeat_interleave(group, dim=1)
+        keys = gather_sequence(call.k_cache, table, seq_len, lowest).float().repeat_interleave(group, dim=1)
+        values = gather_sequence(call.v_cache, table, seq_len, lowest).float().repeat_interleave(group, dim=1)
         for j in range(end - start):
             position = first_position + j
             visible_from = max(0, position - window + 1) if window > 0 else 0
             q = query[start + j].float()  # [H, D]
             seen = slice(visible_from - lowest, position + 1 - lowest)
-            scores = torch.einsum("hd,lhd->hl", q, keys[seen]) * scale
+            scores = torch.einsum("hd,lhd->hl", q, keys[seen]) * call.scale
             if softcap > 0:
                 scores = softcap * torch.tanh(scores / softcap)
             weights = torch.softmax(scores, dim=-1)

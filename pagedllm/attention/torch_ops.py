@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.attention.metadata import AttentionMetadata, DecodeRows, PrefillChunk
+from pagedllm.attention.metadata import AttentionCall, AttentionMetadata, DecodeRows, PrefillChunk
 
 DECODE_GROUP_SIZE = 16
 # Above this many KV heads the block-diagonal product wastes too many multiplications;
@@ -96,23 +96,14 @@ def _group(batch: DecodeRows, rows: list[int], block_size: int, window: int) -> 
     return DecodeGroup(batch.rows[index].long(), block_ids, invalid[:, :, None])
 
 
-def attend(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    metadata: AttentionMetadata,
-    scale: float,
-    *,
-    window: int = 0,
-    softcap: float = 0.0,
-) -> torch.Tensor:
-    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    window = max(int(window), 0)
-    groups = metadata.derived(f"torch_decode_groups/{window}", lambda m: decode_groups(m, window))
+def attend(call: AttentionCall) -> torch.Tensor:
+    out = torch.empty(call.query.shape, dtype=call.query.dtype, device=call.query.device)
+    window = max(int(call.window), 0)
+    groups = call.metadata.derived(f"torch_decode_groups/{window}", lambda m: decode_groups(m, window))
     for group in groups:
-        out[group.token_index] = _attend_decode(query, k_cache, v_cache, group, scale, softcap)
-    for chunk in metadata.prefills:
-        out[chunk.rows] = _attend_chunk(query[chunk.rows], k_cache, v_cache, chunk, scale, window, softcap)
+        out[group.token_index] = _attend_decode(call, group)
+    for chunk in call.metadata.prefills:
+        out[chunk.rows] = _attend_chunk(call, chunk)
     return out
 
 
@@ -123,33 +114,26 @@ def _cap(scores: torch.Tensor, softcap: float) -> torch.Tensor:
     return scores
 
 
-def _attend_decode(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup, scale: float, softcap: float
-) -> torch.Tensor:
+def _attend_decode(call: AttentionCall, group: DecodeGroup) -> torch.Tensor:
     num_seqs, padded_len = group.invalid.shape[0], group.invalid.shape[1]
-    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    block_size, num_kv_heads, head_dim = call.k_cache.shape[1:]
     shape = (group.block_ids.numel(), block_size, num_kv_heads, head_dim)
-    keys = torch.index_select(k_cache, 0, group.block_ids, out=_WORKSPACE.take("k", shape, k_cache))
-    values = torch.index_select(v_cache, 0, group.block_ids, out=_WORKSPACE.take("v", shape, v_cache))
+    keys = torch.index_select(call.k_cache, 0, group.block_ids, out=_WORKSPACE.take("k", shape, call.k_cache))
+    values = torch.index_select(call.v_cache, 0, group.block_ids, out=_WORKSPACE.take("v", shape, call.v_cache))
     keys, values = keys.view(num_seqs, padded_len, -1), values.view(num_seqs, padded_len, -1)
-    q = query.index_select(0, group.token_index)  # [S, H, D]
+    q = call.query.index_select(0, group.token_index)  # [S, H, D]
     if num_kv_heads <= MAX_KV_HEADS_BLOCK_DIAGONAL:
-        return _decode_block_diagonal(q, keys, values, group.invalid, num_kv_heads, scale, softcap)
-    return _decode_per_kv_head(q, keys, values, group.invalid, num_kv_heads, scale, softcap)
+        return _decode_block_diagonal(q, keys, values, group.invalid, call)
+    return _decode_per_kv_head(q, keys, values, group.invalid, call)
 
 
 def _decode_block_diagonal(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    invalid: torch.Tensor,
-    num_kv_heads: int,
-    scale: float,
-    softcap: float,
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, invalid: torch.Tensor, call: AttentionCall
 ) -> torch.Tensor:
     """keys/values `[S, L, H_kv*D]` as stored. Each query head is placed in the rows of its KV head
     (zeros elsewhere), so one batched matmul scores all heads on contiguous memory."""
     num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads, scale, softcap = call.k_cache.shape[2], call.scale, call.softcap
     group = num_heads // num_kv_heads
     grouped = q.view(num_seqs, num_kv_heads, group, head_dim)
     block_q = q.new_zeros(num_seqs, num_kv_heads, head_dim, num_kv_heads, group)
@@ -165,15 +149,10 @@ def _decode_block_diagonal(
 
 
 def _decode_per_kv_head(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    invalid: torch.Tensor,
-    num_kv_heads: int,
-    scale: float,
-    softcap: float,
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, invalid: torch.Tensor, call: AttentionCall
 ) -> torch.Tensor:
     num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads, scale, softcap = call.k_cache.shape[2], call.scale, call.softcap
     group = num_heads // num_kv_heads
     grouped = q.view(num_seqs, num_kv_heads, group, head_dim)
     keys = keys.view(num_seqs, -1, num_kv_heads, head_dim)
@@ -187,25 +166,18 @@ def _decode_per_kv_head(
     return out.view(num_seqs, num_heads, head_dim)
 
 
-def _attend_chunk(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    chunk: PrefillChunk,
-    scale: float,
-    window: int = 0,
-    softcap: float = 0.0,
-) -> torch.Tensor:
+def _attend_chunk(call: AttentionCall, chunk: PrefillChunk) -> torch.Tensor:
     """A chunk's query j sits at position seq_len - q_len + j (after the cached tokens, if any). With a
     window, its context is read from the block holding the first query's window start."""
+    query, window, scale = call.query[chunk.rows], call.window, call.scale
     q_len, seq_len = query.shape[0], chunk.seq_len
-    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    block_size, num_kv_heads, head_dim = call.k_cache.shape[1:]
     group = query.shape[1] // num_kv_heads
     first_block = window_start(seq_len - q_len, window) // block_size
     lowest = first_block * block_size
     block_ids = chunk.block_tables[0, first_block : -(-seq_len // block_size)]
-    keys = k_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[: seq_len - lowest]
-    values = v_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[: seq_len - lowest]
+    keys = call.k_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[: seq_len - lowest]
+    values = call.v_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[: seq_len - lowest]
     q = query.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, -1, head_dim)
     scores = torch.matmul(q.float(), keys.permute(1, 2, 0).float()).mul_(scale).view(num_kv_heads, group, q_len, -1)
     key_positions = torch.arange(lowest, seq_len)
@@ -213,7 +185,7 @@ def _attend_chunk(
     hidden = key_positions[None, :] > query_positions[:, None]
     if window > 0:
         hidden |= key_positions[None, :] <= query_positions[:, None] - window
-    _cap(scores, softcap).masked_fill_(hidden, float("-inf"))
+    _cap(scores, call.softcap).masked_fill_(hidden, float("-inf"))
     weights = torch.softmax(scores, dim=-1).view(num_kv_heads, group * q_len, -1)
     out = torch.matmul(weights, values.transpose(0, 1).float()).view(num_kv_heads * group, q_len, head_dim)
     return out.transpose(0, 1).to(query.dtype)

@@ -32,13 +32,13 @@ of `tl.dot` as their raw bits, so a bf16 dot could not be tested on the CPU.)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
-from pagedllm.attention.metadata import AttentionMetadata, DecodeRows, PrefillChunk
+from pagedllm.attention.metadata import AttentionCall, PrefillChunk
 
 DEFAULT_PARTITION_SIZE = 512
 # vLLM's rule for its v1/v2 decode kernels: one pass while the context is short enough and either one
@@ -542,27 +542,19 @@ def write_kv(
 
 
 def decode(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    batch: DecodeRows,
-    out: torch.Tensor,
-    scale: float,
-    *,
-    partition_size: int = DEFAULT_PARTITION_SIZE,
-    version: int | None = None,
-    window: int = 0,
-    softcap: float = 0.0,
+    call: AttentionCall, out: torch.Tensor, *, partition_size: int = DEFAULT_PARTITION_SIZE, version: int | None = None
 ) -> None:
-    """One query token per sequence: write into `out[rows[s]]` the attention of `query[rows[s]]` over the
-    first `seq_lens[s]` positions of sequence s (its last `window` ones, if > 0). `version` 1 or 2 forces a
-    kernel; None applies the rule to the positions walked."""
+    """The call's decode rows, one query token per sequence: write into `out[rows[s]]` the attention of
+    `query[rows[s]]` over the first `seq_lens[s]` positions of sequence s (its last `window` ones, if > 0).
+    `version` 1 or 2 forces a kernel; None applies the rule to the positions walked."""
+    k_cache, v_cache, batch = call.k_cache, call.v_cache, call.metadata.decode
+    assert batch is not None
     _check_caches(k_cache, v_cache)
     if version not in (None, 1, 2):
         raise ValueError(f"version must be 1, 2 or None, got {version!r}")
-    query = _rows_contiguous(query)
+    query = _rows_contiguous(call.query)
     block_tables, seq_lens, rows = batch.block_tables, batch.seq_lens, batch.rows
-    options = Options(window, softcap, scale)
+    options = Options(call.window, call.softcap, call.scale)
     max_seq_len = options.context(batch.max_seq_len)
     num_seqs, num_heads = seq_lens.shape[0], query.shape[1]
     version = version or choose_decode_version(max_seq_len, num_seqs, num_heads, partition_size)
@@ -591,7 +583,7 @@ def decode(
         block_tables,
         seq_lens,
         rows,
-        scale * LOG2E,
+        call.scale * LOG2E,
         *options.runtime(),
         *query_strides,
         out.stride(0),
@@ -613,7 +605,7 @@ def decode(
         partial,
         seq_lens,
         rows,
-        window,
+        call.window,
         out.stride(0),
         out.stride(1),
         num_heads,
@@ -622,26 +614,19 @@ def decode(
         PARTS_PAD=triton.next_power_of_2(num_parts),
         HEAD_DIM=geometry.head_dim,
         HEAD_PAD=geometry.head_pad,
-        WINDOWED=window > 0,
+        WINDOWED=call.window > 0,
     )
 
 
-def mixed(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    batch: AttentionMetadata | PrefillChunk,
-    out: torch.Tensor,
-    scale: float,
-    *,
-    window: int = 0,
-    softcap: float = 0.0,
-) -> None:
-    """Any flat batch (prefill chunks after cached prefixes, decode tokens) into `out`, causal per sequence
-    (within a sliding `window` if > 0, logits soft-capped by `softcap` if > 0)."""
+def mixed(call: AttentionCall, out: torch.Tensor, chunk: PrefillChunk | None = None) -> None:
+    """Any flat batch (prefill chunks after cached prefixes, decode tokens: the call's metadata) into `out`,
+    causal per sequence; with `chunk`, only that prefill chunk's rows, as a batch of its own."""
+    k_cache, v_cache = call.k_cache, call.v_cache
     _check_caches(k_cache, v_cache)
-    options = Options(window, softcap, scale)
-    query = _rows_contiguous(query)
+    options = Options(call.window, call.softcap, call.scale)
+    rows = slice(None) if chunk is None else chunk.rows
+    query, out = _rows_contiguous(call.query[rows]), out[rows]
+    batch = call.metadata if chunk is None else chunk
     block_tables, seq_lens, query_start_loc = batch.block_tables, batch.seq_lens, batch.query_start_loc
     geometry = Geometry.of(query, k_cache)
     block_m = max(MIXED_BLOCK_M, triton.next_power_of_2(geometry.group))
@@ -657,7 +642,7 @@ def mixed(
         seq_lens,
         query_start_loc,
         num_seqs,
-        scale * LOG2E,
+        call.scale * LOG2E,
         *options.runtime(),
         query.stride(0),
         query.stride(1),
@@ -677,34 +662,14 @@ def mixed(
 
 
 def attend(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    metadata: AttentionMetadata,
-    scale: float,
-    *,
-    partition_size: int = DEFAULT_PARTITION_SIZE,
-    version: int | None = None,
-    window: int = 0,
-    softcap: float = 0.0,
+    call: AttentionCall, *, partition_size: int = DEFAULT_PARTITION_SIZE, version: int | None = None
 ) -> torch.Tensor:
     """The step's decode tokens in one decode launch (v1 or v2, which `version` may force), each prefill
-    chunk in a mixed launch of its own. Every tensor they read was put on the device by the metadata.
-    `window` > 0: a sliding window of that many positions; `softcap` > 0: soft-capped logits."""
-    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    options = {"window": max(int(window), 0), "softcap": max(float(softcap), 0.0)}
-    if metadata.decode is not None:
-        decode(
-            query,
-            k_cache,
-            v_cache,
-            metadata.decode,
-            out,
-            scale,
-            partition_size=partition_size,
-            version=version,
-            **options,
-        )
-    for chunk in metadata.prefills:
-        mixed(query[chunk.rows], k_cache, v_cache, chunk, out[chunk.rows], scale, **options)
+    chunk in a mixed launch of its own. Every tensor they read was put on the device by the metadata."""
+    out = torch.empty(call.query.shape, dtype=call.query.dtype, device=call.query.device)
+    call = replace(call, window=max(int(call.window), 0), softcap=max(float(call.softcap), 0.0))
+    if call.metadata.decode is not None:
+        decode(call, out, partition_size=partition_size, version=version)
+    for chunk in call.metadata.prefills:
+        mixed(call, out, chunk)
     return out
