@@ -17,6 +17,7 @@ from pagedllm.request import SequenceGroup
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.scheduler import Scheduler
 from pagedllm.sequence import SequenceFactory, SequenceStatus
+from pagedllm.structured_output import StructuredOutputCompiler
 from pagedllm.worker.cache_engine import KVShape
 from pagedllm.worker.worker import StepTimer, Worker
 
@@ -63,6 +64,7 @@ class LLMEngine:
         )
         self.worker = Worker(self.loaded.model, shape, num_blocks, num_cpu_blocks, config.device, eos_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.structured_outputs = StructuredOutputCompiler(self.tokenizer, self.vocab_size, eos_ids)
         self.requests: dict[str, SequenceGroup] = {}
         self._num_steps = 0
         self._step_seconds: dict[str, float] = {}
@@ -116,6 +118,13 @@ class LLMEngine:
                 raise ValueError(f"prompt {len(added)}: {error}") from error
             raise
 
+    def compile_constraint(self, params: SamplingParams) -> None:
+        """Compile the request's structured-output constraint into the cache, so that adding it later
+        does not compile on the stepping thread (the server calls this on a thread of its own). ValueError
+        naming the constraint when it does not compile."""
+        if params.structured_outputs is not None:
+            self.structured_outputs.compile(params.structured_outputs)
+
     def add_beam_request(self, request_id: str, prompt: PromptInput, params: BeamSearchParams) -> None:
         greedy = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos)
         group = self._new_group(request_id, prompt, greedy, params.max_tokens)
@@ -128,9 +137,17 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, token_ids = self.tokenize(prompt)
+        self._check_logit_bias(params)
         seq = self.sequences.new(request_id, token_ids, params, self._check_fits(token_ids, max_tokens))
         seq.cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if params.structured_outputs is not None:
+            seq.grammar = self.structured_outputs.matcher(params.structured_outputs)
         return SequenceGroup(request_id, text, token_ids, [seq])
+
+    def _check_logit_bias(self, params: SamplingParams) -> None:
+        bad = [t for t in params.logit_bias or () if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
 
     def _queue(self, group: SequenceGroup) -> None:
         self.requests[group.request_id] = group

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedTokenizerBase
 
 from pagedllm.detokenizer import next_text, start_detokenizer
-from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from pagedllm.request import SequenceGroup
 from pagedllm.sequence import Sequence, SequenceStatus
 from pagedllm.step import NewToken, StepUpdate
@@ -37,6 +37,8 @@ class OutputProcessor:
         """One request's failure (a detokenizer error, say) must not cost the rest of the batch its
         output: it is recorded in `failed`, and the engine aborts that request alone."""
         step = ProcessedStep()
+        for entry in update.prompt_logprobs:
+            self._decode(entry)
         for new in update.new_tokens:
             request_id = new.seq.request_id
             if request_id in step.failed:
@@ -52,8 +54,7 @@ class OutputProcessor:
     def _text(self, new: NewToken, step: ProcessedStep) -> None:
         seq, stop = new.seq, new.stop
         if new.logprobs is not None:
-            for token_id, entry in new.logprobs.items():
-                entry.decoded_token = self.tokenizer.decode([token_id])
+            self._decode(new.logprobs)
         if stop is None or not stop.hide_last_token_text:
             seq.text += next_text(self.tokenizer, seq, seq.params.skip_special_tokens, flush=stop is not None)
         # A stop string outranks the length limit reached by the same token, not a stop token.
@@ -66,12 +67,18 @@ class OutputProcessor:
             step.stopped.append(seq)
         seq.status, seq.stop_reason = by_string.status, by_string.reason
 
+    def _decode(self, entry: dict[int, Logprob]) -> None:
+        for token_id, logprob in entry.items():
+            logprob.decoded_token = self.tokenizer.decode([token_id])
+
     def _output(self, group: SequenceGroup) -> RequestOutput:
         if group.beam is not None:
             completions = self._beam_completions(group) if group.finished else []
         else:
             completions = [_completion(seq) for seq in _returned(group)]
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, group.finished)
+        return RequestOutput(
+            group.request_id, group.prompt, group.prompt_token_ids, completions, group.finished, _prompt_logprobs(group)
+        )
 
     def _beam_completions(self, group: SequenceGroup) -> list[CompletionOutput]:
         assert group.beam is not None
@@ -87,6 +94,14 @@ class OutputProcessor:
             )
             for index, beam in enumerate(group.beam.ranked())
         ]
+
+
+def _prompt_logprobs(group: SequenceGroup) -> PromptLogprobs | None:
+    """Once the prompt is scored: None for its first token (nothing predicts it), then each token's entry."""
+    first = group.seqs[0]
+    if first.prompt_logprobs is None or first.num_prompt_logprobs_missing:
+        return None
+    return [None, *first.prompt_logprobs]
 
 
 def _returned(group: SequenceGroup) -> list[Sequence]:

@@ -16,6 +16,9 @@ class Logprob:
 
 # One entry per generated position: token id -> its Logprob (the sampled token plus the top-k).
 SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt position: None for the first token (nothing predicts it), then the prompt's own
+# token and the top-k of the distribution that predicted it.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass(slots=True)
@@ -40,6 +43,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    prompt_logprobs: PromptLogprobs | None = None  # when asked for, once the whole prompt is computed
 
 
 @dataclass(slots=True)

@@ -12,6 +12,52 @@ from dataclasses import dataclass
 _SAMPLING_EPS = 1e-5
 
 
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the generated text, with vLLM's names: exactly one of a JSON schema (``json``, as a
+    dict or its JSON text), any JSON object (``json_object``), a regular expression, a choice among
+    strings, or an EBNF grammar (xgrammar's dialect, which reads GBNF). Whether it compiles is checked when
+    the request is added; here only its shape."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                f"structured_outputs needs exactly one of {', '.join(_CONSTRAINTS)}, got {given or 'none'}"
+            )
+        if self.json is not None and not isinstance(self.json, str | dict):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (dict or str), got {self.json!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None and (
+            not isinstance(self.choice, list | tuple)
+            or not self.choice
+            or not all(isinstance(c, str) for c in self.choice)
+        ):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}")
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise ValueError(f"structured_outputs.json_object must be a bool, got {self.json_object!r}")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint it is: one of the field names."""
+        return next(name for name in _CONSTRAINTS if getattr(self, name) not in (None, False))
+
+
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+
+
 class SamplingType(enum.IntEnum):
     GREEDY = 0
     RANDOM = 1
@@ -43,7 +89,10 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the top-k of each prompt position, plus the prompt's own token
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.n = _check_int("n", self.n)
@@ -61,8 +110,12 @@ class SamplingParams:
             self.seed = _check_int("seed", self.seed)
         if self.max_tokens is not None:
             self.max_tokens = _check_int("max_tokens", self.max_tokens)
-        if self.logprobs is not None:
-            self.logprobs = _check_int("logprobs", self.logprobs)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                setattr(self, name, _check_int(name, getattr(self, name)))
+        self.logit_bias = _normalize_logit_bias(self.logit_bias)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -101,6 +154,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be non-negative, got {self.logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}")
 
     @property
     def num_samples(self) -> int:
@@ -145,6 +200,22 @@ def _check_float(name: str, value: object) -> float:
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value!r}")
     return value
+
+
+def _normalize_logit_bias(bias: object) -> dict[int, float] | None:
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {bias!r}")
+    normalized = {}
+    for token, value in bias.items():
+        if isinstance(token, bool) or not isinstance(token, numbers.Integral) or token < 0:
+            raise ValueError(f"logit_bias keys must be non-negative token ids, got {token!r}")
+        value = _check_float("logit_bias", value)
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {value} for token {token}")
+        normalized[int(token)] = value
+    return normalized or None
 
 
 def _normalize_stop(stop: object) -> list[str]:

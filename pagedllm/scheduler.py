@@ -22,7 +22,7 @@ from pagedllm.outputs import EngineStats
 from pagedllm.request import SequenceGroup
 from pagedllm.sequence import Sequence, SequenceFactory, SequenceStatus
 from pagedllm.step import ModelOutput, NewToken, RowOutput, SampleRow, ScheduledSeq, SchedulerOutput, StepUpdate
-from pagedllm.stopping import length_stop, token_stop
+from pagedllm.stopping import grammar_stop, length_stop, token_stop
 
 
 class Scheduler:
@@ -188,8 +188,11 @@ class Scheduler:
         return self.kv.pool.num_free >= self.num_running_seqs + num_new_seqs
 
     def _open(self, seq: Sequence) -> int:
-        """Start the sequence's block table from the prefix cache; returns the tokens it covers."""
-        hit = self.kv.start_sequence(seq.seq_id, seq.token_ids, seq.cache_salt)
+        """Start the sequence's block table from the prefix cache; returns the tokens it covers. A sequence
+        still owed prompt log-probabilities takes cached blocks only before the first position to score."""
+        first_unscored = seq.num_prompt_tokens - 1 - seq.num_prompt_logprobs_missing
+        lookup = seq.token_ids[: first_unscored + 1] if seq.num_prompt_logprobs_missing else seq.token_ids
+        hit = self.kv.start_sequence(seq.seq_id, lookup, seq.cache_salt)
         seq.num_computed_tokens = hit
         return hit
 
@@ -219,6 +222,9 @@ class Scheduler:
             self.kv.register_computed(item.seq.seq_id, item.seq.token_ids, item.seq.num_computed_tokens)
         touched = dict.fromkeys(item.seq.request_id for item in out.scheduled)
         update = StepUpdate(groups=[self.groups[request_id] for request_id in touched])
+        for seq, entries in model_output.prompt_logprobs:
+            seq.prompt_logprobs.extend(entries)
+            update.prompt_logprobs.extend(entries)
         # Forks first: each child must start from its parent's blocks before anyone appends or finishes.
         for sample in out.samples:
             if sample.forked_from is not None:
@@ -252,7 +258,11 @@ class Scheduler:
                 seq.logprobs.append(row.logprobs)
         elif row.logprob is not None:
             seq.cumulative_logprob += row.logprob
-        stop = token_stop(seq, row.token_id, self.eos_ids) or length_stop(seq, self.max_model_len)
+        stop = (
+            grammar_stop(seq, row.token_id)
+            or token_stop(seq, row.token_id, self.eos_ids)
+            or length_stop(seq, self.max_model_len)
+        )
         if stop is not None:
             seq.stop_reason = stop.reason
             self.finish(seq, stop.status)

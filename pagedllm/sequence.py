@@ -9,6 +9,7 @@ import itertools
 from dataclasses import dataclass
 
 import torch
+import xgrammar as xgr
 
 from pagedllm.outputs import SampleLogprobs
 from pagedllm.sampling_params import SamplingParams
@@ -61,6 +62,9 @@ class Sequence:
     detok_read_offset: int = 0
     checked_text_len: int = 0
     cache_salt: str | None = None  # an extra key of the first block's hash: different salts never share
+    # Entry i is prompt token i + 1's; filled as prompt chunks are computed (only with params.prompt_logprobs).
+    prompt_logprobs: SampleLogprobs | None = None
+    grammar: xgr.GrammarMatcher | None = None  # the constraint's state after the tokens generated so far
 
     @property
     def num_tokens(self) -> int:
@@ -82,6 +86,13 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 
+    @property
+    def num_prompt_logprobs_missing(self) -> int:
+        """Prompt positions whose log-probabilities were asked for and not computed yet."""
+        if self.prompt_logprobs is None:
+            return 0
+        return self.num_prompt_tokens - 1 - len(self.prompt_logprobs)
+
     def fork(self, seq_id: int, index: int, generator: torch.Generator | None) -> Sequence:
         """A sibling that has produced exactly what this sequence has so far (its KV blocks are shared
         by the cache manager); from here on it draws from its own generator."""
@@ -89,6 +100,8 @@ class Sequence:
         child.seq_id, child.index, child.generator = seq_id, index, generator
         child.token_ids = list(self.token_ids)
         child.logprobs = [dict(entry) for entry in self.logprobs] if self.logprobs is not None else None
+        child.prompt_logprobs = None  # the prompt's log-probabilities belong to the sequence that ran it
+        child.grammar = self.grammar.fork() if self.grammar is not None else None
         return child
 
 
@@ -111,6 +124,7 @@ class SequenceFactory:
             max_tokens=max_tokens,
             generator=self._generator(params, 0),
             logprobs=[] if params.logprobs is not None else None,
+            prompt_logprobs=[] if params.prompt_logprobs is not None else None,
         )
 
     def fork(self, parent: Sequence, index: int) -> Sequence:

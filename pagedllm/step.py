@@ -70,6 +70,9 @@ class RowOutput:
 @dataclass(slots=True)
 class ModelOutput:
     rows: list[RowOutput] = field(default_factory=list)  # one per `SchedulerOutput.samples` entry
+    # For sequences that asked for prompt log-probabilities: the entries of the prompt positions scored
+    # this step, continuing `seq.prompt_logprobs`.
+    prompt_logprobs: list[tuple[Sequence, list[dict[int, Logprob]]]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -85,3 +88,4 @@ class StepUpdate:
 
     new_tokens: list[NewToken] = field(default_factory=list)
     groups: list[SequenceGroup] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # entries new this step, to decode

@@ -26,6 +26,19 @@ def token_stop(seq: Sequence, token: int, eos_ids: frozenset[int]) -> StopDecisi
     return None
 
 
+def grammar_stop(seq: Sequence, token: int) -> StopDecision | None:
+    """A constrained sequence stops once its grammar has taken the stop token that ends it, whatever
+    ignore_eos or min_tokens say: nothing may follow a finished structure. A token the grammar refuses
+    (which the sampler's mask rules out) aborts the sequence rather than let unconstrained text out."""
+    if seq.grammar is None:
+        return None
+    if not seq.grammar.accept_token(token):
+        return StopDecision(SequenceStatus.FINISHED_ABORTED, "grammar refused the token", hide_last_token_text=True)
+    if seq.grammar.is_terminated():
+        return StopDecision(SequenceStatus.FINISHED_STOPPED, None, hide_last_token_text=True)
+    return None
+
+
 def string_stop(seq: Sequence) -> StopDecision | None:
     """Look for a stop string in the text not yet searched (plus an overlap for strings cut across
     tokens) and truncate the text at it."""

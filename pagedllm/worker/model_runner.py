@@ -9,7 +9,18 @@ import torch
 
 from pagedllm.attention import AttentionMetadata, get_backend
 from pagedllm.models.decoder import CausalLM, StepContext
+from pagedllm.sequence import Sequence
 from pagedllm.step import ScheduledSeq
+
+
+@dataclass(slots=True)
+class PromptRows:
+    """Rows of the flat batch whose logits score the prompt's next token, for sequences that asked for
+    prompt log-probabilities: `spans` says whose they are, in order, as (sequence, number of rows)."""
+
+    index: torch.Tensor  # [P] rows of the flat batch
+    targets: torch.Tensor  # [P] the prompt token each row predicts
+    spans: list[tuple[Sequence, int]]
 
 
 @dataclass(slots=True)
@@ -21,6 +32,7 @@ class FlatBatch:
     seq_lens: torch.Tensor  # [S] int32
     query_start_loc: torch.Tensor  # [S+1] int32
     logits_index: torch.Tensor  # rows whose hidden state picks a token, in `scheduled` order
+    prompt: PromptRows | None  # rows scoring prompt tokens, when some sequence asked for them
 
 
 def build_batch(scheduled: list[ScheduledSeq], block_size: int) -> FlatBatch:
@@ -47,7 +59,31 @@ def build_batch(scheduled: list[ScheduledSeq], block_size: int) -> FlatBatch:
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         query_start_loc=torch.from_numpy(query_start.astype(np.int32)),
         logits_index=torch.from_numpy(query_start[1:][samples] - 1),
+        prompt=_prompt_rows(scheduled, query_start),
     )
+
+
+def _prompt_rows(scheduled: list[ScheduledSeq], query_start: np.ndarray) -> PromptRows | None:
+    """Positions p of this step with prompt token p + 1 still unscored: the hidden state at p predicts it.
+    Positions scored before a preemption are not scored again."""
+    index: list[int] = []
+    targets: list[int] = []
+    spans: list[tuple[Sequence, int]] = []
+    for i, item in enumerate(scheduled):
+        seq = item.seq
+        if not seq.num_prompt_logprobs_missing:
+            continue
+        first = max(item.start, len(seq.prompt_logprobs))
+        last = min(item.start + item.num_new_tokens, seq.num_prompt_tokens - 1)  # exclusive
+        if first >= last:
+            continue
+        offset = int(query_start[i]) - item.start
+        index.extend(range(offset + first, offset + last))
+        targets.extend(seq.token_ids[first + 1 : last + 1])
+        spans.append((seq, last - first))
+    if not spans:
+        return None
+    return PromptRows(torch.tensor(index), torch.tensor(targets), spans)
 
 
 def _pad_tables(tables: list[list[int]]) -> torch.Tensor:
@@ -67,13 +103,20 @@ class ModelRunner:
         self.attention = get_backend(None, self.device)
 
     @torch.inference_mode()
-    def run(self, batch: FlatBatch) -> torch.Tensor:
-        """Float32 logits `[len(batch.logits_index), vocab]`, on the CPU where the sampler runs
-        (each sequence's RNG is a CPU generator)."""
+    def run(self, batch: FlatBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Float32 logits `[len(batch.logits_index), vocab]`, on the CPU where the sampler runs (each
+        sequence's RNG is a CPU generator); and the hidden states of `batch.prompt`'s rows, if any."""
         metadata = AttentionMetadata.build(
             batch.block_tables, batch.seq_lens, batch.query_start_loc, self.block_size, self.device
         )
         positions, slot_mapping = batch.positions.to(self.device), batch.slot_mapping.to(self.device)
         ctx = StepContext(positions, slot_mapping, metadata, self.attention, self.kv_caches)
         hidden = self.model(batch.input_ids.to(self.device), ctx)
-        return self.model.compute_logits(hidden.index_select(0, batch.logits_index.to(self.device))).cpu()
+        logits = self.model.compute_logits(hidden.index_select(0, batch.logits_index.to(self.device))).cpu()
+        prompt_hidden = None if batch.prompt is None else hidden.index_select(0, batch.prompt.index.to(self.device))
+        return logits, prompt_hidden
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of hidden states, on the CPU."""
+        return self.model.compute_logits(hidden).cpu()

@@ -1,8 +1,9 @@
 """Batched next-token sampler: one row of float32 logits per sequence that samples this step.
 
 Follows vLLM's semantics. Logprobs come from the model's raw logits. Then, in order: banned tokens are set to
--inf, the repetition penalty is applied over prompt + output tokens, presence/frequency penalties over output
-tokens; greedy rows take the argmax; random rows are divided by their temperature, truncated by top-k, top-p
+-inf, logit biases are added, a constrained row's grammar masks the tokens it forbids (rows without one are
+not touched), the repetition penalty is applied over prompt + output tokens, presence/frequency penalties over
+output tokens; greedy rows take the argmax; random rows are divided by their temperature, truncated by top-k, top-p
 and min-p, and sampled with the row's own generator, so a seeded request draws the same tokens whatever else
 shares its batch.
 """
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+import xgrammar as xgr
 
 from pagedllm.outputs import Logprob
 from pagedllm.sampling_params import SamplingParams
@@ -30,6 +32,7 @@ class SamplingRow:
     output_token_ids: list[int]
     generator: torch.Generator | None  # per-sequence RNG; None only for greedy rows
     banned_token_ids: tuple[int, ...] = ()  # e.g. EOS + stop_token_ids while len(output) < min_tokens
+    grammar: xgr.GrammarMatcher | None = None  # a constrained row: only tokens it allows can be drawn
 
     @property
     def wants_logprob(self) -> bool:
@@ -60,6 +63,8 @@ class Sampler:
         raw = logits[logprob_rows] if logprob_rows else None  # a copy, taken before any change below
 
         _ban_tokens(logits, rows)
+        _apply_logit_bias(logits, rows)
+        _apply_grammars(logits, rows)
         _apply_repetition_penalty(logits, rows)
         _apply_presence_frequency_penalties(logits, rows)
 
@@ -74,7 +79,8 @@ class Sampler:
         logprobs: list[dict[int, Logprob] | None] = [None] * len(rows)
         sampled_logprobs: list[float | None] = [None] * len(rows)
         if raw is not None:
-            picked, entries = _logprobs(raw, token_ids[logprob_rows], [rows[i] for i in logprob_rows])
+            ks = [rows[i].params.logprobs for i in logprob_rows]
+            picked, entries = token_logprobs(raw, token_ids[logprob_rows], ks)
             for i, logprob, entry in zip(logprob_rows, picked, entries, strict=True):
                 sampled_logprobs[i], logprobs[i] = logprob, entry
         return SamplerOutput(token_ids.tolist(), logprobs, sampled_logprobs)
@@ -98,6 +104,28 @@ def _ban_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     if row_idx:
         token_idx = [t for row in rows for t in row.banned_token_ids]
         logits[row_idx, token_idx] = float("-inf")
+
+
+def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    biased = [(i, row.params.logit_bias) for i, row in enumerate(rows) if row.params.logit_bias]
+    if not biased:
+        return
+    row_idx = [i for i, bias in biased for _ in bias]
+    token_idx = [t for _, bias in biased for t in bias]
+    values = [v for _, bias in biased for v in bias.values()]
+    logits[row_idx, token_idx] += torch.tensor(values, device=logits.device)
+
+
+def _apply_grammars(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """-inf for every token a constrained row's grammar forbids next; unconstrained rows are not touched."""
+    constrained = [i for i, row in enumerate(rows) if row.grammar is not None]
+    if not constrained:
+        return
+    # xgrammar indexes the mask and the logits by the same row; unconstrained rows keep the all-allowed fill.
+    bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[1])
+    for i in constrained:
+        rows[i].grammar.fill_next_token_bitmask(bitmask, i)
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=constrained)
 
 
 def _padded_ids(seqs: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -300,16 +328,17 @@ def _resample_outside_nucleus(
             positions[pending] = _draw(weights, [rows[i] for i in pending], pending)
 
 
-def _logprobs(
-    raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]
+def token_logprobs(
+    raw: torch.Tensor, tokens: torch.Tensor, ks: list[int | None]
 ) -> tuple[list[float], list[dict[int, Logprob] | None]]:
-    """The sampled tokens' log-probabilities, and logprob dicts (sampled token + top-k) for the rows that
-    asked for them, from a copy of the unmodified logits of the rows that want either.
+    """Per row of ``raw`` (unmodified logits): the log-probability of ``tokens[row]``, and where ``ks[row]``
+    is not None a dict of that token and the top-``ks[row]`` tokens, each with its rank (1 + the number of
+    tokens with a strictly larger logit).
 
     Overwrites ``raw``.
     """
     # Asking for more than V gets all V.
-    k = min(max(row.params.logprobs or 0 for row in rows), raw.shape[1])
+    k = min(max(k or 0 for k in ks), raw.shape[1])
     top_logit, top_ids = raw.topk(k, dim=-1)
     sampled_logit = raw.gather(1, tokens[:, None])
     # Ranking by raw logits equals ranking by logprob (a per-row shift) without rounding ties. An int32
@@ -323,13 +352,13 @@ def _logprobs(
     top_logit_list, top_ids_list = top_logit.tolist(), top_ids.tolist()
 
     entries: list[dict[int, Logprob] | None] = []
-    for j, (row, token) in enumerate(zip(rows, tokens.tolist(), strict=True)):
-        if row.params.logprobs is None:
+    for j, (row_k, token) in enumerate(zip(ks, tokens.tolist(), strict=True)):
+        if row_k is None:
             entries.append(None)
             continue
         entry = {token: Logprob(sampled_logprob[j], sampled_rank[j])}
         rank = 0
-        for pos in range(min(row.params.logprobs, k)):
+        for pos in range(min(row_k, k)):
             # Tied logits share a rank: 1 + the number of strictly larger ones, all earlier in the top-k.
             if pos == 0 or top_logit_list[j][pos] < top_logit_list[j][pos - 1]:
                 rank = pos + 1

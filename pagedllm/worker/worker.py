@@ -12,11 +12,15 @@ import time
 import torch
 
 from pagedllm.models.decoder import CausalLM
+from pagedllm.outputs import Logprob
 from pagedllm.sequence import Sequence
 from pagedllm.step import ModelOutput, RowOutput, SampleRow, SchedulerOutput
 from pagedllm.worker.cache_engine import CacheEngine, KVShape
-from pagedllm.worker.model_runner import ModelRunner, build_batch
-from pagedllm.worker.sampler import Sampler, SamplingRow, top_logprobs
+from pagedllm.worker.model_runner import ModelRunner, PromptRows, build_batch
+from pagedllm.worker.sampler import Sampler, SamplingRow, token_logprobs, top_logprobs
+
+# Prompt positions scored per logits pass: bounds the [rows, vocab] float32 temporaries (~50 MB at 256).
+_PROMPT_LOGITS_ROWS = 256
 
 
 class StepTimer:
@@ -57,12 +61,28 @@ class Worker:
             return ModelOutput()
         batch = build_batch(out.scheduled, self.block_size)
         timer.lap("prepare")
-        logits = self.runner.run(batch)
+        logits, prompt_hidden = self.runner.run(batch)
         timer.lap("forward")
         with torch.inference_mode():
             rows = self._pick(logits, out.samples)
+            prompt = [] if batch.prompt is None else self._prompt_logprobs(prompt_hidden, batch.prompt)
         timer.lap("sample")
-        return ModelOutput(rows)
+        return ModelOutput(rows, prompt)
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, prompt: PromptRows
+    ) -> list[tuple[Sequence, list[dict[int, Logprob]]]]:
+        ks = [seq.params.prompt_logprobs for seq, count in prompt.spans for _ in range(count)]
+        entries: list[dict[int, Logprob] | None] = []
+        for start in range(0, len(ks), _PROMPT_LOGITS_ROWS):
+            end = start + _PROMPT_LOGITS_ROWS
+            logits = self.runner.compute_logits(hidden[start:end])
+            entries.extend(token_logprobs(logits, prompt.targets[start:end], ks[start:end])[1])
+        result, at = [], 0
+        for seq, count in prompt.spans:
+            result.append((seq, entries[at : at + count]))
+            at += count
+        return result
 
     def _pick(self, logits: torch.Tensor, samples: list[SampleRow]) -> list[RowOutput]:
         """Beams first: the sampler overwrites the logits it is given, and beams read them unchanged."""
@@ -85,6 +105,7 @@ class Worker:
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         params = seq.params
         banned: tuple[int, ...] = ()
-        if seq.num_output_tokens < params.min_tokens:
+        # A complete structure may only stop: min_tokens cannot lengthen it.
+        if seq.num_output_tokens < params.min_tokens and (seq.grammar is None or not seq.grammar.is_completed()):
             banned = tuple(params.stop_token_ids) + (() if params.ignore_eos else tuple(self.eos_ids))
-        return SamplingRow(params, seq.prompt_token_ids, seq.output_token_ids, seq.generator, banned)
+        return SamplingRow(params, seq.prompt_token_ids, seq.output_token_ids, seq.generator, banned, seq.grammar)
