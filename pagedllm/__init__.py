@@ -5,7 +5,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine import LLMEngine
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "LLM",
@@ -17,4 +17,5 @@ __all__ = [
     "Logprob",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]

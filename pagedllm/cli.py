@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 from pagedllm.benchmarks.memory import add_bench_memory_args, run_bench_memory
 from pagedllm.benchmarks.serve import add_bench_serve_args, run_bench_serve
+from pagedllm.benchmarks.structured import add_bench_structured_args, run_bench_structured
 from pagedllm.benchmarks.throughput import add_bench_throughput_args, run_bench_throughput
 from pagedllm.config import EngineConfig, ServeOptions, add_dataclass_args, option_values
 from pagedllm.entrypoints.llm import LLM, Message
@@ -127,6 +128,11 @@ def make_parser() -> argparse.ArgumentParser:
     )
     add_bench_throughput_args(bench_throughput)
     bench_throughput.set_defaults(handler=run_bench_throughput)
+    bench_structured = benchmarks.add_parser(
+        "structured", help="throughput with a JSON-schema constraint on every request vs none, same tokens"
+    )
+    add_bench_structured_args(bench_structured)
+    bench_structured.set_defaults(handler=run_bench_structured)
     return parser
 
 

@@ -7,6 +7,7 @@ A constraint that does not compile is refused with a ValueError naming it, never
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
@@ -41,7 +42,8 @@ class StructuredOutputCompiler:
         kind = spec.kind
         try:
             if kind == "json":
-                return compiler.compile_json_schema(_bounded_strings_as_patterns(spec.json), any_whitespace=False)
+                schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json, sort_keys=True)
+                return compiler.compile_grammar(_json_schema_grammar(schema))
             if kind == "json_object":
                 return compiler.compile_builtin_json_grammar()
             if kind == "regex":
@@ -64,31 +66,18 @@ class StructuredOutputCompiler:
             return self._compiler
 
 
-def _bounded_strings_as_patterns(schema: str | dict) -> str:
-    """The schema's JSON text, with each length-bounded string rewritten as the equivalent pattern.
-
-    xgrammar's rule for a string with minLength/maxLength lets raw control characters through, which JSON
-    forbids (strict parsers such as Python's `json` reject the output); its rule for a pattern does not.
-    The pattern's class is the characters xgrammar's length rule allows, minus the control characters.
-    """
-    try:
-        tree = json.loads(schema) if isinstance(schema, str) else schema
-    except json.JSONDecodeError:
-        return schema  # xgrammar reports the syntax error, with its position
-    return json.dumps(_rewrite_strings(tree))
+# xgrammar's rule for the characters of a length-bounded string (minLength/maxLength) lets raw control
+# characters through, which JSON forbids: strict parsers such as Python's `json` reject the output. Its
+# rule for other strings excludes them; this gives the bounded rule the same class.
+_BOUNDED_STRING_CHAR = r"[^\"\\\r\n]"
+_JSON_STRING_CHAR = r"[^\"\\\0-\x1f]"
 
 
-def _rewrite_strings(node: object) -> object:
-    if isinstance(node, list):
-        return [_rewrite_strings(item) for item in node]
-    if not isinstance(node, dict):
-        return node
-    node = {key: _rewrite_strings(value) for key, value in node.items()}
-    bounded = "minLength" in node or "maxLength" in node
-    if node.get("type") == "string" and bounded and not {"pattern", "format", "enum", "const"} & node.keys():
-        low, high = node.pop("minLength", 0), node.pop("maxLength", "")
-        node["pattern"] = f'^[^\\x00-\\x1f"\\\\]{{{low},{high}}}$'
-    return node
+@functools.lru_cache(maxsize=256)
+def _json_schema_grammar(schema: str) -> str:
+    """The EBNF xgrammar writes for a JSON schema, with control characters kept out of every string."""
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False)
+    return str(grammar).replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
 
 
 def _choice_grammar(choices: list[str]) -> str:

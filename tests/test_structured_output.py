@@ -222,3 +222,13 @@ def test_logit_bias_pushes_a_token_and_is_range_checked(llm):
     with pytest.raises(ValueError, match="logit_bias token id 99999 is outside the vocabulary"):
         llm.generate(PROMPTS[0], SamplingParams(logit_bias={99999: 1.0}), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("schema", [{"type": "string"}, {"type": "string", "maxLength": 5}])
+def test_json_strings_never_take_a_raw_control_character(llm, schema):
+    # xgrammar's own rule for length-bounded strings lets them through; JSON forbids them.
+    matcher = llm.engine.structured_outputs.matcher(constrained(json=schema))
+    assert matcher.accept_string('"a')
+    assert not matcher.fork().accept_string("\x1b")
+    assert not matcher.fork().accept_string("\n")
+    assert matcher.accept_string('b"') and matcher.is_completed()
