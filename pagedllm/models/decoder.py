@@ -30,6 +30,7 @@ from pagedllm.attention import AttentionMetadata, Backend, write_kv
 from pagedllm.models import fused
 from pagedllm.models.config import FULL, SLIDING, ModelConfig
 from pagedllm.models.moe import SparseMoeBlock
+from pagedllm.models.prepack import can_prepack, prepacked
 
 
 @dataclass(slots=True)
@@ -56,12 +57,8 @@ class Linear(nn.Module):
     def prepack(self) -> None:
         """Reorder a bf16 CPU weight once into oneDNN's blocked layout: `linear` otherwise repacks it
         on every call, a large share of the product at decode batch sizes (docs/PERFORMANCE.md)."""
-        if (
-            self.weight.device.type == "cpu"
-            and self.weight.dtype == torch.bfloat16
-            and torch.backends.mkldnn.is_available()
-        ):
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
+        if can_prepack(self.weight):
+            self.packed = prepacked(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.shape[0] > 0:

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from pagedllm.models import fused
+from pagedllm.models.prepack import can_prepack, prepacked
 
 
 class _Router(nn.Module):
@@ -76,10 +77,9 @@ class SparseMoeBlock(nn.Module):
         the stacked parameters, like `Linear`'s."""
         w = self.experts.gate_up_proj
         self.packed = None
-        if w.device.type == "cpu" and w.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
-            reorder = torch.ops.mkldnn._reorder_linear_weight
+        if can_prepack(w):
             self.packed = [
-                (reorder(self.experts.gate_up_proj[e], 1), reorder(self.experts.down_proj[e], 1))
+                (prepacked(self.experts.gate_up_proj[e]), prepacked(self.experts.down_proj[e]))
                 for e in range(self.num_experts)
             ]
 
