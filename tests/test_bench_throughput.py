@@ -13,6 +13,7 @@ import torch
 from pagedllm.benchmarks.throughput import (
     BenchSetup,
     EngineResult,
+    check_samples,
     measure,
     run_engines,
     run_vllm,
@@ -70,9 +71,21 @@ def test_shared_prefix_interleaves_eight_system_prompts():
 
 def test_a_run_that_returns_the_wrong_number_of_tokens_is_an_error():
     workload = make_workload("synthetic", 2, 1000, 1024)
-    assert measure("x", 1.0, 2.0, workload.output_tokens, workload).output_tok_per_s == workload.output_tokens / 2
+    assert measure("x", 1.0, 2.0, workload.output_tokens, workload, []).output_tok_per_s == workload.output_tokens / 2
     with pytest.raises(RuntimeError, match="returned"):
-        measure("x", 1.0, 2.0, workload.output_tokens - 1, workload)
+        measure("x", 1.0, 2.0, workload.output_tokens - 1, workload, [])
+
+
+def test_a_run_whose_tokens_are_wrong_is_an_error(tiny_long_llama):
+    workload = make_workload("synthetic", 2, 384, 1024)
+    setup = setup_for(tiny_long_llama)
+    (paged,) = run_engines(setup, workload, ["pagedllm"])
+    assert paged.check == "2/2 exact"
+    # The same counts, but one token no near-tie explains: the vocabulary's last id, never in a top 5 here.
+    wrong = EngineResult("x", 1.0, 1.0, 1.0, 1.0, 1.0, sample=[list(t) for t in paged.sample])
+    wrong.sample[1][3] = 383 if wrong.sample[1][3] != 383 else 382
+    with pytest.raises(RuntimeError, match="x: request 1 parts from transformers at token 3"):
+        check_samples(setup, workload, [wrong])
 
 
 @pytest.mark.parametrize("name", WORKLOADS)
@@ -89,6 +102,12 @@ def test_every_in_process_engine_runs_every_workload(name, tiny_long_llama):
         if isinstance(result, EngineResult):
             assert result.seconds > 0 and result.load_seconds > 0
             assert result.output_tok_per_s == pytest.approx(workload.output_tokens / result.seconds)
+            greedy = name in ("synthetic", "sharegpt-like", "shared-prefix")
+            assert (
+                result.check.endswith(f"/{len(workload.requests[:4])} exact")
+                if greedy
+                else result.check == "not checked"
+            )
     paged = results[0]
     assert paged.detail["steps"] > 0 and paged.detail["peak_kv_blocks"] > 0
     if name == "shared-prefix":
@@ -100,7 +119,7 @@ def test_command_prints_the_table_and_writes_json_and_a_plot(tiny_long_llama, tm
     args = ["bench", "throughput", "--model", str(tiny_long_llama), "--dtype", "float32", "--num-prompts", "2"]
     assert main([*args, "--engines", "pagedllm,hf-static", "--out", str(out)]) == 0
     table = capsys.readouterr().out
-    assert "pagedllm" in table and "hf-static" in table and "pagedllm ×" in table
+    assert "pagedllm" in table and "hf-static" in table and "pagedllm ×" in table and "2/2 exact" in table
     report = json.loads((out / "throughput.json").read_text())
     assert [r["engine"] for r in report["results"]] == ["pagedllm", "hf-static"]
     assert report["num_requests"] == 2 and report["output_tokens"] > 0

@@ -15,7 +15,10 @@ row. Engines:
 - vllm: vLLM in its own interpreter (`--vllm-python`), driven by `vllm_runner.py`.
 
 Load time is measured from nothing to an engine ready to take requests; throughput from the first
-request to the last token.
+request to the last token. Counting tokens is not enough: on greedy workloads each engine's outputs for
+the first `--check` requests are compared with `transformers` in the same dtype, and must agree up to a
+first divergence where the reference's five most likely tokens hold the engine's (a near-tie); anything
+else fails the run.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ class BenchSetup:
     max_model_len: int
     hf_batch_size: int = 16
     vllm_python: str | None = None
+    check: int = 4  # requests whose outputs are compared with the reference (greedy workloads)
 
 
 @dataclass(slots=True)
@@ -66,13 +70,17 @@ class EngineResult:
     output_tok_per_s: float
     total_tok_per_s: float
     detail: dict = field(default_factory=dict)
+    sample: list[list[int]] = field(default_factory=list)  # the first requests' output tokens, for the check
+    check: str = "-"  # how the sample compared with the reference
 
 
 class UnsupportedWorkload(Exception):
     """The engine has no way to run this workload (e.g. beam search in transformers' continuous batching)."""
 
 
-def measure(engine: str, load_seconds: float, seconds: float, generated: int, workload: Workload) -> EngineResult:
+def measure(
+    engine: str, load_seconds: float, seconds: float, generated: int, workload: Workload, sample: list[list[int]]
+) -> EngineResult:
     if generated != workload.output_tokens:
         raise RuntimeError(f"{engine} returned {generated} tokens where the workload asks for {workload.output_tokens}")
     return EngineResult(
@@ -82,6 +90,7 @@ def measure(engine: str, load_seconds: float, seconds: float, generated: int, wo
         requests_per_s=len(workload.requests) / seconds,
         output_tok_per_s=workload.output_tokens / seconds,
         total_tok_per_s=(workload.prompt_tokens + workload.output_tokens) / seconds,
+        sample=sample,
     )
 
 
@@ -97,6 +106,7 @@ def run_pagedllm(setup: BenchSetup, workload: Workload) -> EngineResult:
         params = BeamSearchParams(workload.beam_width, _single_output_len(workload), ignore_eos=True)
         outputs = llm.beam_search(prompts, params)
         generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+        sample = [o.outputs[0].token_ids for o in outputs[: setup.check]]
     else:
         sampling = [
             SamplingParams(
@@ -110,7 +120,8 @@ def run_pagedllm(setup: BenchSetup, workload: Workload) -> EngineResult:
         ]
         outputs = llm.generate(prompts, sampling, use_tqdm=False)
         generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    result = measure("pagedllm", load_seconds, time.perf_counter() - start, generated, workload)
+        sample = [o.outputs[0].token_ids for o in outputs[: setup.check]]
+    result = measure("pagedllm", load_seconds, time.perf_counter() - start, generated, workload, sample)
     stats = llm.stats()
     result.detail = {
         "steps": stats.num_steps,
@@ -153,6 +164,7 @@ def run_hf_static(setup: BenchSetup, workload: Workload) -> EngineResult:
     load_seconds = time.perf_counter() - start
     torch.manual_seed(setup.seed)
     generated = 0
+    sample: list[list[int]] = []
     start = time.perf_counter()
     for first in range(0, len(workload.requests), setup.hf_batch_size):
         batch = workload.requests[first : first + setup.hf_batch_size]
@@ -170,7 +182,9 @@ def run_hf_static(setup: BenchSetup, workload: Workload) -> EngineResult:
         # The batch runs to its longest output; each request is served the tokens it asked for.
         new_tokens = out.shape[1] - ids.shape[1]
         generated += sum(min(r.output_len, new_tokens) for r in batch) * workload.n
-    return measure("hf-static", load_seconds, time.perf_counter() - start, generated, workload)
+        for row, r in enumerate(batch[: setup.check - len(sample)]):
+            sample.append(out[row * workload.n, ids.shape[1] : ids.shape[1] + r.output_len].tolist())
+    return measure("hf-static", load_seconds, time.perf_counter() - start, generated, workload, sample)
 
 
 def left_pad(prompts: list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,21 +215,24 @@ def run_hf_cb(setup: BenchSetup, workload: Workload) -> EngineResult:
     load_seconds = time.perf_counter() - start
     expected = len(workload.requests) * workload.n
     generated = finished = 0
+    checked: dict[str, list[int]] = {}
     start = time.perf_counter()
     try:
-        for r in workload.requests:
-            manager.add_request(list(r.prompt), max_new_tokens=r.output_len, eos_token_id=-1)
+        for i, r in enumerate(workload.requests):
+            manager.add_request(list(r.prompt), request_id=f"r{i}", max_new_tokens=r.output_len, eos_token_id=-1)
         while finished < expected:
             output = manager.get_result(timeout=1)
             if output is not None:
                 finished += 1
                 generated += len(output.generated_tokens)
+                checked.setdefault(output.request_id, list(output.generated_tokens))
             elif not manager.is_running():
                 raise RuntimeError("transformers' continuous batching manager stopped before finishing")
         seconds = time.perf_counter() - start
     finally:
         manager.stop(block=True)
-    return measure("hf-cb", load_seconds, seconds, generated, workload)
+    sample = [checked[f"r{i}"] for i in range(min(setup.check, len(workload.requests)))]
+    return measure("hf-cb", load_seconds, seconds, generated, workload, sample)
 
 
 def _hf_cb_blocks(workload: Workload) -> int:
@@ -240,6 +257,7 @@ def run_vllm(setup: BenchSetup, workload: Workload) -> EngineResult:
         "n": workload.n,
         "temperature": workload.temperature,
         "beam_width": workload.beam_width,
+        "check": setup.check,
     }
     with tempfile.TemporaryDirectory() as tmp:
         job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
@@ -250,7 +268,9 @@ def run_vllm(setup: BenchSetup, workload: Workload) -> EngineResult:
             env=vllm_env(setup.threads),
         )
         answer = json.loads(result_path.read_text())
-    return measure("vllm", answer["load_seconds"], answer["seconds"], answer["generated_tokens"], workload)
+    return measure(
+        "vllm", answer["load_seconds"], answer["seconds"], answer["generated_tokens"], workload, answer["sample"]
+    )
 
 
 def vllm_env(threads: int) -> dict[str, str]:
@@ -268,7 +288,8 @@ RUNNERS = {"pagedllm": run_pagedllm, "hf-static": run_hf_static, "hf-cb": run_hf
 
 
 def run_engines(setup: BenchSetup, workload: Workload, engines: list[str]) -> list[EngineResult | str]:
-    """One result per engine, in order; an engine that cannot run the workload gives its reason instead."""
+    """One result per engine, in order; an engine that cannot run the workload gives its reason instead.
+    Each result's sample is then checked against the reference."""
     results: list[EngineResult | str] = []
     for engine in engines:
         try:
@@ -276,7 +297,47 @@ def run_engines(setup: BenchSetup, workload: Workload, engines: list[str]) -> li
         except UnsupportedWorkload as reason:
             results.append(f"{engine}: {reason}")
         gc.collect()  # each engine's model and cache go before the next one loads
+    check_samples(setup, workload, [r for r in results if isinstance(r, EngineResult)])
     return results
+
+
+def check_samples(setup: BenchSetup, workload: Workload, results: list[EngineResult]) -> None:
+    """Compare each engine's sample with `transformers` greedy in the same dtype; a sequence that parts from
+    it other than at a near-tie fails the run. Sampled and beam workloads are not checked (their tokens
+    depend on each engine's random numbers or beam rules)."""
+    if workload.temperature > 0 or workload.beam_width > 1 or setup.check == 0 or not results:
+        for result in results:
+            result.check = "not checked"
+        return
+    model = _load_hf(setup)
+    references = [_reference(model, r.prompt, r.output_len) for r in workload.requests[: setup.check]]
+    for result in results:
+        exact = 0
+        for i, (tokens, (ref_tokens, top5)) in enumerate(zip(result.sample, references, strict=True)):
+            at = next((j for j, (a, b) in enumerate(zip(tokens, ref_tokens, strict=True)) if a != b), None)
+            if at is None:
+                exact += 1
+            elif tokens[at] not in top5[at]:
+                raise RuntimeError(
+                    f"{result.engine}: request {i} parts from transformers at token {at}, not a near-tie"
+                )
+        result.check = f"{exact}/{len(references)} exact"
+
+
+def _reference(model, prompt: tuple[int, ...], output_len: int) -> tuple[list[int], list[set[int]]]:
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt], device=model.device),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=model.device),
+            max_new_tokens=output_len,
+            min_new_tokens=output_len,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    top5 = [set(step[0].topk(5).indices.tolist()) for step in out.logits]
+    return out.sequences[0, len(prompt) :].tolist(), top5
 
 
 def add_bench_throughput_args(parser: argparse.ArgumentParser) -> None:
@@ -291,6 +352,7 @@ def add_bench_throughput_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--vllm-python", default=None, help="python of the venv holding vLLM (see docs/VLLM_CPU.md)")
+    parser.add_argument("--check", type=int, default=4, help="requests checked against transformers (greedy)")
     parser.add_argument("--out", type=Path, default=None, help="folder for throughput.json and throughput.png")
 
 
@@ -312,6 +374,7 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
         max_model_len=max_model_len,
         hf_batch_size=args.hf_batch_size,
         vllm_python=args.vllm_python,
+        check=args.check,
     )
     workload = make_workload(args.workload, args.num_prompts, model_config.vocab_size, max_model_len, args.seed)
     results = run_engines(setup, workload, engines)
@@ -328,13 +391,13 @@ def format_table(workload: Workload, setup: BenchSetup, results: list[EngineResu
         f"workload {workload.name}: {len(workload.requests)} requests, {workload.prompt_tokens} prompt tokens, "
         f"{workload.output_tokens} output tokens; {setup.dtype}, {setup.threads} threads, {setup.device}",
         f"{'engine':<10} {'req/s':>8} {'out tok/s':>10} {'total tok/s':>12} {'load s':>7} {'run s':>8} "
-        f"{'pagedllm ×':>11}",
+        f"{'pagedllm ×':>11}  outputs",
     ]
     for r in rows:
         ratio = f"{paged.output_tok_per_s / r.output_tok_per_s:>10.2f}×" if paged else f"{'-':>11}"
         lines.append(
             f"{r.engine:<10} {r.requests_per_s:>8.3f} {r.output_tok_per_s:>10.1f} {r.total_tok_per_s:>12.1f} "
-            f"{r.load_seconds:>7.1f} {r.seconds:>8.1f} {ratio}"
+            f"{r.load_seconds:>7.1f} {r.seconds:>8.1f} {ratio}  {r.check}"
         )
     lines += [f"not run: {r}" for r in results if isinstance(r, str)]
     return "\n".join(lines)

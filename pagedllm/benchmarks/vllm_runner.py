@@ -45,6 +45,10 @@ def main(job_path: str, result_path: str) -> None:
         generated = sum(
             len(o.sequences[0].tokens) - len(p["prompt_token_ids"]) for o, p in zip(outputs, prompts, strict=True)
         )
+        sample = [
+            o.sequences[0].tokens[len(p["prompt_token_ids"]) :]
+            for o, p in zip(outputs[: job["check"]], prompts, strict=False)
+        ]
     else:
         params = [
             SamplingParams(
@@ -58,9 +62,12 @@ def main(job_path: str, result_path: str) -> None:
         ]
         outputs = llm.generate(prompts, params, use_tqdm=False)
         generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        sample = [list(o.outputs[0].token_ids) for o in outputs[: job["check"]]]
     seconds = time.perf_counter() - start
     with open(result_path, "w") as f:
-        json.dump({"load_seconds": load_seconds, "seconds": seconds, "generated_tokens": generated}, f)
+        json.dump(
+            {"load_seconds": load_seconds, "seconds": seconds, "generated_tokens": generated, "sample": sample}, f
+        )
 
 
 if __name__ == "__main__":
