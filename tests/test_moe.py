@@ -163,10 +163,21 @@ def test_bf16_runs_and_is_close(family: str, top_k: int, norm: bool, prepack: bo
         torch.testing.assert_close(ours, reference(model, x), rtol=2e-2, atol=2e-2)
 
 
-def test_prepack_is_a_no_op_outside_bf16():
-    block = block_for("qwen3_moe", 2, True)
+def test_prepack_is_a_no_op_where_onednn_has_no_kernel():
+    block = block_for("qwen3_moe", 2, True).to(torch.float64)
     block.prepack()
     assert block.packed is None
+
+
+def test_prepacked_float32_experts_match_transformers():
+    model = hf_model("qwen3_moe", 2, True)
+    block = loaded_blocks("qwen3_moe", 2, True, model)[0]
+    block.prepack()
+    assert block.packed is not None
+    for tokens in TOKENS:
+        x = inputs(tokens, torch.float32)
+        with torch.no_grad():
+            torch.testing.assert_close(block(x), reference(model, x), rtol=1e-5, atol=1e-5)
 
 
 def test_zero_tokens():

@@ -55,8 +55,7 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None
 
     def prepack(self) -> None:
-        """Reorder a bf16 CPU weight once into oneDNN's blocked layout: `linear` otherwise repacks it
-        on every call, a large share of the product at decode batch sizes (docs/PERFORMANCE.md)."""
+        """Reorder a CPU weight once into oneDNN's blocked layout (`prepack.py` says where and why)."""
         if can_prepack(self.weight):
             self.packed = prepacked(self.weight)
 
