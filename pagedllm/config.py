@@ -52,6 +52,13 @@ class EngineConfig:
     preemption_mode: str = option("recompute", "what preemption does with a request's KV", choices=PREEMPTION_MODES)
     swap_space: float = option(4.0, "GiB of CPU memory for blocks swapped out (preemption_mode swap)")
     device: str = option("cpu", "cuda runs the model and KV cache on the GPU with the Triton kernels", choices=DEVICES)
+    tensor_parallel_size: int = option(1, "ranks that each hold a slice of every layer and of every KV block")
+    threads_per_worker: int | None = option(None, "torch threads of each rank (default: the cores divided among them)")
+    distributed_timeout: float = option(
+        120.0, "seconds a rank waits for the others (start-up, each step) before the engine fails"
+    )
+    master_addr: str = option("127.0.0.1", "address where the tensor-parallel ranks meet (rank 0's)")
+    master_port: int | None = option(None, "port where the ranks meet (default: a free one)")
 
     def __post_init__(self) -> None:
         _require_positive("block_size", self.block_size)
@@ -68,6 +75,17 @@ class EngineConfig:
             raise ValueError("device 'cuda' was asked for but torch sees no CUDA device")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        _require_positive("tensor_parallel_size", self.tensor_parallel_size)
+        if self.threads_per_worker is not None:
+            _require_positive("threads_per_worker", self.threads_per_worker)
+        if (
+            self.tensor_parallel_size > 1
+            and self.device == "cuda"
+            and self.tensor_parallel_size > torch.cuda.device_count()
+        ):
+            raise ValueError(
+                f"tensor_parallel_size {self.tensor_parallel_size} exceeds the {torch.cuda.device_count()} GPUs"
+            )
         if isinstance(self.swap_space, bool) or not isinstance(self.swap_space, int | float) or self.swap_space < 0:
             raise ValueError(f"swap_space must be a non-negative number of GiB, got {self.swap_space!r}")
 
@@ -86,6 +104,11 @@ class ServeOptions:
     served_model_names: tuple[str, ...] = option((), "default: the --model argument", flag="--served-model-name")
     shutdown_grace_s: float = option(5.0, "seconds in-flight requests get after SIGTERM", flag="--shutdown-grace")
     log_level: str = option("warning", "uvicorn's log level (the CLI's --log-level)")
+    tool_call_parser: str = option(
+        "auto",
+        "how chat replies' tool calls are read; auto: llama3_json for Llama 3 templates, else hermes",
+        choices=("auto", "hermes", "llama3_json"),
+    )
 
     def model_names(self, model: str | Path | None) -> tuple[str, ...]:
         return self.served_model_names or (str(model) if model is not None else DEFAULT_SERVED_NAME,)

@@ -6,11 +6,14 @@ from __future__ import annotations
 import json
 import logging
 import time
+import weakref
 
 from pagedllm.beam_search import BeamSearchParams, BeamState
 from pagedllm.config import DEFAULT_KV_CACHE_MEMORY, DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
+from pagedllm.distributed.group import TensorParallelGroup
 from pagedllm.kv.kv_cache_manager import KVCacheManager
-from pagedllm.models.loader import LoadedModel, load_model
+from pagedllm.models.config import ModelConfig
+from pagedllm.models.loader import LoadedModel, load_model, resolve_model_folder
 from pagedllm.output_processor import OutputProcessor, ProcessedStep
 from pagedllm.outputs import EngineStats, RequestOutput
 from pagedllm.request import SequenceGroup
@@ -40,14 +43,22 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         started = time.perf_counter()
         self.config = config
-        self.loaded: LoadedModel = load_model(config.model, config.torch_dtype, config.device)
-        self.tokenizer = self.loaded.tokenizer
-        shape = _kv_shape(self.loaded, config)
-        num_blocks = config.num_kv_blocks or shape.blocks_for_memory(config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY)
+        folder = resolve_model_folder(config.model)
+        model_config = ModelConfig.from_folder(folder)
+        # The pool has as many blocks as one process would have; each rank holds its KV heads of each.
+        full_shape = _kv_shape(model_config.num_hidden_layers, model_config.num_key_value_heads, model_config, config)
+        num_blocks = config.num_kv_blocks or full_shape.blocks_for_memory(
+            config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
+        )
         if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory is too small for one block of {shape.bytes_per_block} bytes")
+            raise ValueError(f"kv_cache_memory is too small for one block of {full_shape.bytes_per_block} bytes")
         swap_bytes = int(config.swap_space * (1 << 30)) if config.preemption_mode == "swap" else 0
-        num_cpu_blocks = shape.blocks_for_memory(swap_bytes)
+        num_cpu_blocks = full_shape.blocks_for_memory(swap_bytes)
+        self._group = TensorParallelGroup.start(config, model_config, folder, num_blocks, num_cpu_blocks)
+        self.loaded: LoadedModel = load_model(folder, config.torch_dtype, config.device, self._group.shard)
+        self.tokenizer = self.loaded.tokenizer
+        model = self.loaded.model
+        shape = _kv_shape(model.num_layers, model.num_kv_heads, model_config, config)
         window = _kv_window(self.loaded)
         self.max_model_len = _max_model_len(self.loaded, config, num_blocks, window)
         self.vocab_size = self.loaded.config.vocab_size
@@ -63,6 +74,7 @@ class LLMEngine:
             self.max_model_len,
         )
         self.worker = Worker(self.loaded.model, shape, num_blocks, num_cpu_blocks, config.device, eos_ids)
+        self._finalizer = weakref.finalize(self, self._group.stop, self.worker)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.structured_outputs = StructuredOutputCompiler(self.tokenizer, self.vocab_size, eos_ids)
         self.requests: dict[str, SequenceGroup] = {}
@@ -223,6 +235,11 @@ class LLMEngine:
         for request_id in processed.failed:
             self.abort_request(request_id)
 
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks' processes (also done when the engine is collected or the
+        interpreter exits)."""
+        self._finalizer()
+
     # ---- numbers --------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
@@ -236,12 +253,11 @@ def _kv_window(loaded: LoadedModel) -> int:
     return max(windows) if min(windows) > 0 else 0
 
 
-def _kv_shape(loaded: LoadedModel, config: EngineConfig) -> KVShape:
-    model = loaded.model
+def _kv_shape(num_layers: int, num_kv_heads: int, model_config: ModelConfig, config: EngineConfig) -> KVShape:
     return KVShape(
-        num_layers=model.num_layers,
-        num_kv_heads=model.num_kv_heads,
-        head_dim=model.head_dim,
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=model_config.head_dim,
         block_size=config.block_size,
         dtype=config.torch_dtype,
     )

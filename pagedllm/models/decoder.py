@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention import AttentionMetadata, Backend, write_kv
+from pagedllm.distributed import parallel
 from pagedllm.models import fused
 from pagedllm.models.config import FULL, SLIDING, ModelConfig
 from pagedllm.models.moe import SparseMoeBlock
@@ -53,6 +54,9 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None
+        # Row-parallel under tensor parallelism: each rank holds a slice of the inputs' dimension, so its
+        # product is a partial sum that the ranks add up.
+        self.reduce = False
 
     def prepack(self) -> None:
         """Reorder a CPU weight once into oneDNN's blocked layout (`prepack.py` says where and why)."""
@@ -61,8 +65,10 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.shape[0] > 0:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return nn.functional.linear(x, self.weight, self.bias)
+            out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        else:
+            out = nn.functional.linear(x, self.weight, self.bias)
+        return parallel.all_reduce(out) if self.reduce else out
 
 
 class Embedding(nn.Module):
@@ -71,9 +77,18 @@ class Embedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_embeddings, dim), requires_grad=False)
         # Gemma: times sqrt(hidden), a float32 scalar rounded to the weights' dtype, as transformers does.
         self.scale = scale
+        # Vocabulary-parallel: this rank holds rows [vocab_start, vocab_start + len(weight)) (zero-padded
+        # past the vocabulary); the others' tokens read zeros here and come from their ranks in the sum.
+        self.vocab_start: int | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        out = nn.functional.embedding(ids, self.weight)
+        if self.vocab_start is None:
+            out = nn.functional.embedding(ids, self.weight)
+        else:
+            local = ids - self.vocab_start
+            mine = (local >= 0) & (local < self.weight.shape[0])
+            out = nn.functional.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
+            out = parallel.all_reduce(out * mine[:, None].to(out.dtype))
         if self.scale is not None:
             out = out * torch.tensor(self.scale, dtype=torch.float32).to(self.weight.dtype)
         return out
@@ -264,6 +279,8 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
+        if self.embed_tokens.vocab_start is not None:  # each rank scored its vocabulary shard
+            logits = parallel.all_gather_last(logits)[:, : self.config.vocab_size]
         if self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits.float()

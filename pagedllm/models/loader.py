@@ -12,9 +12,11 @@ import torch
 from safetensors import safe_open
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from pagedllm.distributed.parallel import Shard
 from pagedllm.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from pagedllm.models.decoder import CausalLM
 from pagedllm.models.moe import moe_weights
+from pagedllm.models.tensor_parallel import shard_model
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "LoadedModel", "load_model", "resolve_model_folder"]
 
@@ -49,7 +51,10 @@ def resolve_model_folder(model: str | Path | None) -> Path:
     return path
 
 
-def load_model(model: str | Path | None, dtype: torch.dtype, device: str = "cpu") -> LoadedModel:
+def load_model(
+    model: str | Path | None, dtype: torch.dtype, device: str = "cpu", shard: Shard | None = None
+) -> LoadedModel:
+    """The model in `dtype` on `device`; with a `shard` of a tensor-parallel group, that rank's slices."""
     folder = resolve_model_folder(model)
     # Unsupported architectures, missing fields and options we cannot follow exactly fail here,
     # before any weight is read.
@@ -61,6 +66,8 @@ def load_model(model: str | Path | None, dtype: torch.dtype, device: str = "cpu"
     net.load_state_dict(read_state_dict(folder, net, dtype), assign=True)
     if config.tie_word_embeddings:
         net.lm_head.weight = net.embed_tokens.weight
+    if shard is not None and shard.world_size > 1:
+        shard_model(net, shard)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     net = net.to(device).eval().requires_grad_(False)
     net.prepack()

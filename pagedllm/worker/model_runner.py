@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -11,6 +12,8 @@ from pagedllm.attention import AttentionMetadata, get_backend
 from pagedllm.models.decoder import CausalLM, StepContext
 from pagedllm.sequence import Sequence
 from pagedllm.step import ScheduledSeq
+
+_PROMPT_LOGITS_ROWS = 256
 
 
 @dataclass(slots=True)
@@ -117,6 +120,8 @@ class ModelRunner:
         return logits, prompt_hidden
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits of hidden states, on the CPU."""
-        return self.model.compute_logits(hidden).cpu()
+    def prompt_logits(self, hidden: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+        """Float32 logits of the prompt rows' hidden states, on the CPU, a slice at a time (first row, logits):
+        a slice bounds the [rows, vocab] temporaries (~50 MB at 256 rows)."""
+        for start in range(0, len(hidden), _PROMPT_LOGITS_ROWS):
+            yield start, self.model.compute_logits(hidden[start : start + _PROMPT_LOGITS_ROWS]).cpu()

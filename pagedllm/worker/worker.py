@@ -7,20 +7,39 @@ through the sampler here; nothing above the worker touches logits.
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from dataclasses import dataclass
 
 import torch
 
+from pagedllm.distributed import parallel
+from pagedllm.kv.kv_cache_manager import BlockPair
 from pagedllm.models.decoder import CausalLM
 from pagedllm.outputs import Logprob
 from pagedllm.sequence import Sequence
 from pagedllm.step import ModelOutput, RowOutput, SampleRow, SchedulerOutput
 from pagedllm.worker.cache_engine import CacheEngine, KVShape
-from pagedllm.worker.model_runner import ModelRunner, PromptRows, build_batch
+from pagedllm.worker.model_runner import FlatBatch, ModelRunner, PromptRows, build_batch
 from pagedllm.worker.sampler import Sampler, SamplingRow, token_logprobs, top_logprobs
 
-# Prompt positions scored per logits pass: bounds the [rows, vocab] float32 temporaries (~50 MB at 256).
-_PROMPT_LOGITS_ROWS = 256
+
+@dataclass(slots=True)
+class StepInputs:
+    """What every rank of a tensor-parallel group does in one step, sent once by rank 0: the block moves
+    (in order: swap out, copies, swap in) and the flat batch (None when only blocks move)."""
+
+    swap_out: list[BlockPair]
+    copies: list[BlockPair]
+    swap_in: list[BlockPair]
+    batch: FlatBatch | None
+
+    def for_other_ranks(self) -> StepInputs:
+        """Without the sequences the prompt rows name: only rank 0 reads them, and they do not pickle."""
+        if self.batch is None or self.batch.prompt is None:
+            return self
+        prompt = dataclasses.replace(self.batch.prompt, spans=[])
+        return dataclasses.replace(self, batch=dataclasses.replace(self.batch, prompt=prompt))
 
 
 class StepTimer:
@@ -53,14 +72,16 @@ class Worker:
         self.eos_ids = eos_ids
 
     def execute(self, out: SchedulerOutput, timer: StepTimer) -> ModelOutput:
-        self.cache.swap_out(out.swap_out)
-        self.cache.copy(out.copies)
-        self.cache.swap_in(out.swap_in)
-        timer.lap("swap/copy")
-        if not out.scheduled:
-            return ModelOutput()
-        batch = build_batch(out.scheduled, self.block_size)
+        """Rank 0's step: the inputs go to the other ranks first, then every rank runs the same model
+        call (their collectives meet), and rank 0 alone samples."""
+        batch = build_batch(out.scheduled, self.block_size) if out.scheduled else None
+        inputs = StepInputs(out.swap_out, out.copies, out.swap_in, batch)
+        parallel.broadcast_from_first(inputs.for_other_ranks())
         timer.lap("prepare")
+        self._move_blocks(inputs)
+        timer.lap("swap/copy")
+        if batch is None:
+            return ModelOutput()
         logits, prompt_hidden = self.runner.run(batch)
         timer.lap("forward")
         with torch.inference_mode():
@@ -69,14 +90,31 @@ class Worker:
         timer.lap("sample")
         return ModelOutput(rows, prompt)
 
+    def follow(self) -> None:
+        """The loop of every rank but 0: carry out rank 0's steps until it sends None."""
+        while (inputs := parallel.broadcast_from_first(None)) is not None:
+            self._move_blocks(inputs)
+            if inputs.batch is not None:
+                _, prompt_hidden = self.runner.run(inputs.batch)
+                if prompt_hidden is not None:
+                    for _ in self.runner.prompt_logits(prompt_hidden):
+                        pass  # the logits gather is a collective: every rank takes part
+
+    def stop_followers(self) -> None:
+        parallel.broadcast_from_first(None)
+
+    def _move_blocks(self, inputs: StepInputs) -> None:
+        self.cache.swap_out(inputs.swap_out)
+        self.cache.copy(inputs.copies)
+        self.cache.swap_in(inputs.swap_in)
+
     def _prompt_logprobs(
         self, hidden: torch.Tensor, prompt: PromptRows
     ) -> list[tuple[Sequence, list[dict[int, Logprob]]]]:
         ks = [seq.params.prompt_logprobs for seq, count in prompt.spans for _ in range(count)]
         entries: list[dict[int, Logprob] | None] = []
-        for start in range(0, len(ks), _PROMPT_LOGITS_ROWS):
-            end = start + _PROMPT_LOGITS_ROWS
-            logits = self.runner.compute_logits(hidden[start:end])
+        for start, logits in self.runner.prompt_logits(hidden):
+            end = start + len(logits)
             entries.extend(token_logprobs(logits, prompt.targets[start:end], ks[start:end])[1])
         result, at = [], 0
         for seq, count in prompt.spans:

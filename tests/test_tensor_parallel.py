@@ -1,0 +1,148 @@
+"""Tensor parallelism on torch.distributed (gloo, real worker processes on this machine): greedy tokens
+equal the single-process engine's, through chunked prefill, prefix-cache hits, forks, beam search and
+preemption; bad sizes and ports are refused before any process starts; a dead rank fails the engine within
+its timeout; no process outlives the engine."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from pagedllm import LLM, BeamSearchParams, SamplingParams
+from tests.conftest import save_tiny_model
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention stores the key value cache in fixed size blocks.",
+    "A block table maps",
+    "Hello world! Numbers like 12345",
+    "The quick brown fox jumps over the lazy dog. Continuous batching admits new requests",
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def children() -> set[int]:
+    """This process's live children (Linux: /proc lists each thread's); zombies do not count."""
+    pids = set()
+    for task in Path("/proc/self/task").iterdir():
+        for pid in (task / "children").read_text().split():
+            status = Path(f"/proc/{pid}/status")
+            if status.exists() and "State:\tZ" not in status.read_text():
+                pids.add(int(pid))
+    return pids
+
+
+def run_all(llm: LLM) -> dict[str, list]:
+    """Greedy, seeded n=4 samples and beams, each twice (the second time from the prefix cache)."""
+    sampled = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    beams = BeamSearchParams(beam_width=3, max_tokens=10)
+    results = {}
+    for round_ in (0, 1):
+        results[f"greedy{round_}"] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        results[f"n4_{round_}"] = [
+            [c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS[:3], sampled, use_tqdm=False)
+        ]
+        results[f"beam{round_}"] = [[c.token_ids for c in o.outputs] for o in llm.beam_search(PROMPTS[:2], beams)]
+    return results
+
+
+@pytest.fixture(scope="module")
+def gqa_model(tmp_path_factory):
+    """8 query heads over 2 KV heads, q/k/v biases (Qwen2), untied embeddings."""
+    return save_tiny_model(tmp_path_factory.mktemp("tp_qwen2"), "qwen2", num_attention_heads=8, num_key_value_heads=2)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_tensor_parallel_equals_one_process(gqa_model, world_size):
+    options = dict(model=gqa_model, dtype="float32", block_size=4, max_num_batched_tokens=16)
+    expected = run_all(LLM(**options))
+    before = children()
+    llm = LLM(**options, tensor_parallel_size=world_size)  # 4 ranks > 2 KV heads: KV heads replicated
+    assert len(children() - before) == world_size - 1
+    assert run_all(llm) == expected
+    assert llm.stats().prefix_cache_hits > 0
+    llm.engine.shutdown()
+    assert children() <= before
+
+
+def test_tied_embeddings_and_eight_queries_per_kv_head(tiny_llama_tied_gqa8):
+    options = dict(model=tiny_llama_tied_gqa8, dtype="float32", block_size=4)
+    expected = LLM(**options).generate(PROMPTS, GREEDY, use_tqdm=False)
+    llm = LLM(**options, tensor_parallel_size=2)
+    got = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_under_tensor_parallelism(tiny_llama, mode):
+    options = dict(model=tiny_llama, dtype="float32", block_size=4, num_kv_blocks=40, preemption_mode=mode)
+    params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=40, ignore_eos=True)
+    expected = LLM(**options, swap_space=0.01).generate(PROMPTS, params, use_tqdm=False)
+    llm = LLM(**options, swap_space=0.01, tensor_parallel_size=2)
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    stats = llm.stats()
+    assert stats.num_preemptions > 0 and (stats.num_swap_preemptions > 0) == (mode == "swap")
+    assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in expected]
+    llm.engine.shutdown()
+
+
+def test_the_default_model_on_three_ranks_equals_one():
+    # SmolLM2-135M: 9 query heads and 3 KV heads, both divided by 3.
+    prompts = ["What is the capital of France?", "Write a haiku about memory pages."]
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    expected = LLM(dtype="float32", num_kv_blocks=256).generate(prompts, params, use_tqdm=False)
+    llm = LLM(dtype="float32", num_kv_blocks=256, tensor_parallel_size=3)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    llm.engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("world_size", "message"),
+    [(3, "does not divide the 4 attention heads"), (8, "does not divide the 4 attention heads")],
+)
+def test_sizes_the_model_cannot_split_are_refused_before_any_process_starts(tiny_llama, world_size, message):
+    before = children()
+    with pytest.raises(ValueError, match=message):
+        LLM(model=tiny_llama, dtype="float32", tensor_parallel_size=world_size)
+    assert children() == before
+
+
+def test_a_port_in_use_is_refused(tiny_llama):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        with pytest.raises(ValueError, match=f"master port 127.0.0.1:{port} is not free"):
+            LLM(model=tiny_llama, dtype="float32", tensor_parallel_size=2, master_port=port)
+
+
+def test_a_dead_rank_fails_the_engine_within_its_timeout_and_leaves_no_orphan(tiny_llama):
+    before = children()
+    llm = LLM(model=tiny_llama, dtype="float32", tensor_parallel_size=2, distributed_timeout=10.0)
+    (follower,) = children() - before
+    llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    os.kill(follower, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert time.monotonic() - started < 15.0
+    llm.engine.shutdown()
+    assert children() <= before
+
+
+def test_deleting_the_engine_stops_its_ranks(tiny_llama):
+    before = children()
+    llm = LLM(model=tiny_llama, dtype="float32", tensor_parallel_size=2)
+    assert children() - before
+    del llm
+    deadline = time.monotonic() + 15
+    while children() - before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not children() - before
