@@ -96,6 +96,12 @@ def run_serve(args: argparse.Namespace) -> int:
     return serve(build_llm(args), ServeOptions(**option_values(ServeOptions, args)))
 
 
+def run_worker(args: argparse.Namespace) -> int:
+    from pagedllm.distributed.group import run_node
+
+    return run_node(EngineConfig(**option_values(EngineConfig, args)))
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description="LLM inference on a paged KV cache")
     parser.add_argument("--log-level", default="WARNING")
@@ -115,6 +121,11 @@ def make_parser() -> argparse.ArgumentParser:
     add_dataclass_args(serve, ServeOptions, skip=("log_level",))
     add_dataclass_args(serve, EngineConfig)
     serve.set_defaults(handler=run_serve)
+    worker = commands.add_parser(
+        "worker", help="tensor-parallel ranks of one more node (the same engine flags as node 0, and --node-rank)"
+    )
+    add_dataclass_args(worker, EngineConfig)
+    worker.set_defaults(handler=run_worker)
     bench = commands.add_parser("bench", help="benchmarks")
     benchmarks = bench.add_subparsers(dest="benchmark", required=True)
     bench_serve = benchmarks.add_parser("serve", help="load-test an OpenAI-compatible server (pagedllm's, vLLM's)")

@@ -58,7 +58,9 @@ class EngineConfig:
         120.0, "seconds a rank waits for the others (start-up, each step) before the engine fails"
     )
     master_addr: str = option("127.0.0.1", "address where the tensor-parallel ranks meet (rank 0's)")
-    master_port: int | None = option(None, "port where the ranks meet (default: a free one)")
+    master_port: int | None = option(None, "port where the ranks meet (default: a free one; required with nnodes > 1)")
+    nnodes: int = option(1, "machines the tensor-parallel ranks are spread over (the engine runs on node 0)")
+    node_rank: int = option(0, "this machine's index among nnodes (`pagedllm worker` on nodes 1 ..)")
 
     def __post_init__(self) -> None:
         _require_positive("block_size", self.block_size)

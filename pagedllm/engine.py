@@ -9,8 +9,8 @@ import time
 import weakref
 
 from pagedllm.beam_search import BeamSearchParams, BeamState
-from pagedllm.config import DEFAULT_KV_CACHE_MEMORY, DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
-from pagedllm.distributed.group import TensorParallelGroup
+from pagedllm.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
+from pagedllm.distributed.group import TensorParallelGroup, pool_size
 from pagedllm.kv.kv_cache_manager import KVCacheManager
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.loader import LoadedModel, load_model, resolve_model_folder
@@ -45,20 +45,13 @@ class LLMEngine:
         self.config = config
         folder = resolve_model_folder(config.model)
         model_config = ModelConfig.from_folder(folder)
-        # The pool has as many blocks as one process would have; each rank holds its KV heads of each.
-        full_shape = _kv_shape(model_config.num_hidden_layers, model_config.num_key_value_heads, model_config, config)
-        num_blocks = config.num_kv_blocks or full_shape.blocks_for_memory(
-            config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
-        )
-        if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory is too small for one block of {full_shape.bytes_per_block} bytes")
-        swap_bytes = int(config.swap_space * (1 << 30)) if config.preemption_mode == "swap" else 0
-        num_cpu_blocks = full_shape.blocks_for_memory(swap_bytes)
-        self._group = TensorParallelGroup.start(config, model_config, folder, num_blocks, num_cpu_blocks)
+        pool = pool_size(config, model_config)
+        num_blocks, num_cpu_blocks = pool.num_blocks, pool.num_cpu_blocks
+        self._group = TensorParallelGroup.start(config, model_config, folder, pool)
         self.loaded: LoadedModel = load_model(folder, config.torch_dtype, config.device, self._group.shard)
         self.tokenizer = self.loaded.tokenizer
         model = self.loaded.model
-        shape = _kv_shape(model.num_layers, model.num_kv_heads, model_config, config)
+        shape = KVShape(model.num_layers, model.num_kv_heads, model.head_dim, config.block_size, config.torch_dtype)
         window = _kv_window(self.loaded)
         self.max_model_len = _max_model_len(self.loaded, config, num_blocks, window)
         self.vocab_size = self.loaded.config.vocab_size
@@ -73,7 +66,9 @@ class LLMEngine:
             eos_ids,
             self.max_model_len,
         )
-        self.worker = Worker(self.loaded.model, shape, num_blocks, num_cpu_blocks, config.device, eos_ids)
+        self.worker = Worker(
+            self.loaded.model, shape, num_blocks, num_cpu_blocks, config.device, eos_ids, self._group.shard is not None
+        )
         self._finalizer = weakref.finalize(self, self._group.stop, self.worker)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.structured_outputs = StructuredOutputCompiler(self.tokenizer, self.vocab_size, eos_ids)
@@ -251,16 +246,6 @@ def _kv_window(loaded: LoadedModel) -> int:
     layer is global (Gemma's global layers need every block)."""
     windows = loaded.model.sliding_windows
     return max(windows) if min(windows) > 0 else 0
-
-
-def _kv_shape(num_layers: int, num_kv_heads: int, model_config: ModelConfig, config: EngineConfig) -> KVShape:
-    return KVShape(
-        num_layers=num_layers,
-        num_kv_heads=num_kv_heads,
-        head_dim=model_config.head_dim,
-        block_size=config.block_size,
-        dtype=config.torch_dtype,
-    )
 
 
 def _max_model_len(loaded: LoadedModel, config: EngineConfig, num_blocks: int, window: int) -> int:

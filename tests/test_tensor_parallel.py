@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -142,6 +144,46 @@ def test_deleting_the_engine_stops_its_ranks(tiny_llama):
     llm = LLM(model=tiny_llama, dtype="float32", tensor_parallel_size=2)
     assert children() - before
     del llm
+    deadline = time.monotonic() + 15
+    while children() - before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not children() - before
+
+
+def test_two_nodes_on_one_machine(tiny_llama, tmp_path):
+    """Node 1 is `pagedllm worker` in a process of its own, node 0 the engine here: they meet over TCP."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    common = ["--model", str(tiny_llama), "--dtype", "float32", "--tensor-parallel-size", "4", "--nnodes", "2"]
+    common += ["--master-port", str(port), "--distributed-timeout", "60"]
+    log = tmp_path / "node1.log"
+    with log.open("w") as sink:
+        node1 = subprocess.Popen(
+            [sys.executable, "-m", "pagedllm", "worker", *common, "--node-rank", "1"], stdout=sink, stderr=sink
+        )
+    try:
+        llm = LLM(model=tiny_llama, dtype="float32", tensor_parallel_size=4, nnodes=2, master_port=port)
+        expected = LLM(model=tiny_llama, dtype="float32").generate(PROMPTS, GREEDY, use_tqdm=False)
+        got = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+        llm.engine.shutdown()
+        assert node1.wait(timeout=30) == 0, log.read_text()
+    finally:
+        node1.kill()
+
+
+def test_a_node_that_never_comes_fails_start_up_within_the_timeout(tiny_llama):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    before = children()
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=rf"rank 0 of 4 could not join .* tcp://127.0.0.1:{port}"):
+        LLM(
+            model=tiny_llama, dtype="float32", tensor_parallel_size=4, nnodes=2, master_port=port, distributed_timeout=5
+        )
+    assert time.monotonic() - started < 30
     deadline = time.monotonic() + 15
     while children() - before and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -1,5 +1,6 @@
-"""The engine's side of tensor parallelism: start ranks 1 .. N-1, join the group as rank 0, and stop
-them. With one rank there is no group and nothing to stop."""
+"""The processes of tensor parallelism: on node 0 the engine starts its node's other ranks, joins the
+group as rank 0 and stops them; on nodes 1 .. `pagedllm worker` starts that node's ranks. With one rank
+there is no group and nothing to stop."""
 
 from __future__ import annotations
 
@@ -10,13 +11,80 @@ from typing import Protocol
 
 import torch
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from pagedllm.distributed import parallel
 from pagedllm.distributed.launcher import Followers, FollowerSpec, check_port_free, free_port, threads_per_rank
 from pagedllm.models.config import ModelConfig
+from pagedllm.models.loader import resolve_model_folder
 from pagedllm.models.tensor_parallel import check_divisible
+from pagedllm.worker.cache_engine import KVShape
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSize:
+    """Blocks of the KV pool and of the CPU swap space: the same on every rank (each holds its KV heads
+    of every block) and as many as one process would have."""
+
+    num_blocks: int
+    num_cpu_blocks: int
+
+
+def pool_size(config: EngineConfig, model_config: ModelConfig) -> PoolSize:
+    """From the options and the model's shape alone, so that every node computes the same pool."""
+    shape = KVShape(
+        model_config.num_hidden_layers,
+        model_config.num_key_value_heads,
+        model_config.head_dim,
+        config.block_size,
+        config.torch_dtype,
+    )
+    num_blocks = config.num_kv_blocks or shape.blocks_for_memory(config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY)
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_memory is too small for one block of {shape.bytes_per_block} bytes")
+    swap_bytes = int(config.swap_space * (1 << 30)) if config.preemption_mode == "swap" else 0
+    return PoolSize(num_blocks, shape.blocks_for_memory(swap_bytes))
+
+
+def follower_specs(config: EngineConfig, folder: Path, pool: PoolSize, port: int) -> list[FollowerSpec]:
+    """The specs of this node's ranks, in order (node 0's first one is the engine itself)."""
+    world = config.tensor_parallel_size
+    per_node = world // config.nnodes
+    threads = threads_per_rank(per_node, config.threads_per_worker)
+    first = config.node_rank * per_node
+    return [
+        FollowerSpec(
+            model=str(folder),
+            dtype=str(config.torch_dtype).removeprefix("torch."),
+            device=config.device,
+            block_size=config.block_size,
+            num_blocks=pool.num_blocks,
+            num_cpu_blocks=pool.num_cpu_blocks,
+            rank=rank,
+            world_size=world,
+            master_addr=config.master_addr,
+            master_port=port,
+            timeout_s=config.distributed_timeout,
+            threads=threads,
+        )
+        for rank in range(first, first + per_node)
+    ]
+
+
+def run_node(config: EngineConfig) -> int:
+    """`pagedllm worker` on nodes 1 ..: start this node's ranks and wait for them (the engine on node 0
+    stops them when it stops). Returns the first non-zero exit code, or 0."""
+    if config.node_rank == 0:
+        raise ValueError("node 0 runs the engine itself (`pagedllm serve`/`generate`); workers run on nodes 1 ..")
+    folder = resolve_model_folder(config.model)
+    model_config = ModelConfig.from_folder(folder)
+    check_divisible(model_config, config.tensor_parallel_size)
+    assert config.master_port is not None  # EngineConfig requires it with nnodes > 1
+    followers = Followers(follower_specs(config, folder, pool_size(config, model_config), config.master_port))
+    codes = [process.wait() for process in followers.processes]
+    return next((code for code in codes if code), 0)
+
 
 _STOP_GRACE_S = 10.0
 
@@ -35,40 +103,28 @@ class TensorParallelGroup:
 
     @classmethod
     def start(
-        cls, config: EngineConfig, model_config: ModelConfig, folder: Path, num_blocks: int, num_cpu_blocks: int
+        cls, config: EngineConfig, model_config: ModelConfig, folder: Path, pool: PoolSize
     ) -> TensorParallelGroup:
+        """Node 0's side: its other ranks start here, then this process joins as rank 0."""
         world = config.tensor_parallel_size
         if world == 1:
             return cls()
+        if config.node_rank != 0:
+            raise ValueError("the engine runs on node 0; other nodes run `pagedllm worker --node-rank K`")
         check_divisible(model_config, world)  # before any process starts
-        port = config.master_port
-        if port is None:
-            port = free_port(config.master_addr)
-        else:
+        port = config.master_port if config.master_port is not None else free_port(config.master_addr)
+        if config.nnodes == 1:  # on several nodes the port is the one every node was given
             check_port_free(config.master_addr, port)
-        threads = threads_per_rank(world, config.threads_per_worker)
-        common = dict(
-            model=str(folder),
-            dtype=str(config.torch_dtype).removeprefix("torch."),
-            device=config.device,
-            block_size=config.block_size,
-            num_blocks=num_blocks,
-            num_cpu_blocks=num_cpu_blocks,
-            world_size=world,
-            master_addr=config.master_addr,
-            master_port=port,
-            timeout_s=config.distributed_timeout,
-            threads=threads,
-        )
-        followers = Followers([FollowerSpec(rank=rank, **common) for rank in range(1, world)])
-        torch.set_num_threads(threads)
+        specs = follower_specs(config, folder, pool, port)
+        followers = Followers(specs[1:])
+        torch.set_num_threads(specs[0].threads)
         rendezvous = parallel.Rendezvous(config.master_addr, port, config.distributed_timeout)
         try:
             shard = parallel.join(0, world, rendezvous, config.device)
         except RuntimeError:
             followers.stop(0.0)
             raise
-        logger.info("tensor parallelism: %d ranks at %s, %d threads each", world, rendezvous.init_method, threads)
+        logger.info("tensor parallelism: %d ranks at %s on %d nodes", world, rendezvous.init_method, config.nnodes)
         return cls(shard, followers)
 
     def stop(self, leader: Leader) -> None:

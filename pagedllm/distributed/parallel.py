@@ -52,6 +52,8 @@ def join(rank: int, world_size: int, rendezvous: Rendezvous, device: str) -> Sha
     """Join the group (gloo on CPU, NCCL on CUDA); returns this rank's shard. Fails within the timeout,
     naming the address, when the other ranks never come."""
     global _shard
+    if dist.is_initialized():
+        raise RuntimeError("this process already holds a tensor-parallel engine: one per process")
     backend = "nccl" if device == "cuda" else "gloo"
     try:
         dist.init_process_group(

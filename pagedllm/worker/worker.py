@@ -64,8 +64,12 @@ class Worker:
         num_cpu_blocks: int,
         device: str,
         eos_ids: frozenset[int],
+        leads_group: bool = False,
     ) -> None:
         self.block_size = shape.block_size
+        # Rank 0 of a tensor-parallel group: its steps' inputs go to the other ranks. (A process holds one
+        # group at most, but may also run single-process engines beside it, which must not send.)
+        self.leads_group = leads_group
         self.cache = CacheEngine(shape, num_blocks, num_cpu_blocks, device)
         self.runner = ModelRunner(model, self.cache.kv_caches, shape.block_size)
         self.sampler = Sampler()
@@ -76,7 +80,8 @@ class Worker:
         call (their collectives meet), and rank 0 alone samples."""
         batch = build_batch(out.scheduled, self.block_size) if out.scheduled else None
         inputs = StepInputs(out.swap_out, out.copies, out.swap_in, batch)
-        parallel.broadcast_from_first(inputs.for_other_ranks())
+        if self.leads_group:
+            parallel.broadcast_from_first(inputs.for_other_ranks())
         timer.lap("prepare")
         self._move_blocks(inputs)
         timer.lap("swap/copy")
