@@ -64,11 +64,18 @@ class LLM:
         prompts = [self.render_chat(c, add_generation_prompt) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def render_chat(self, conversation: list[Message], add_generation_prompt: bool = True) -> dict:
+    def render_chat(
+        self, conversation: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> dict:
+        """The conversation through the chat template; `tools` (OpenAI's function definitions) go to templates
+        that show them to the model, and messages may carry `tool_calls` and tool results as transformers
+        expects them."""
         tokenizer = self.engine.tokenizer
         if not tokenizer.chat_template:
             raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
-        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = tokenizer.apply_chat_template(
+            conversation, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
         # The template already holds any BOS it wants; tokenizing must not add a second.
         return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 

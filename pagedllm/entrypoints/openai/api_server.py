@@ -102,7 +102,7 @@ def build_app(engine: AsyncLLMEngine, render_chat: RenderChat, options: ServeOpt
 
     names = options.served_model_names
     completion = OpenAIServingCompletion(engine, render_chat, names)
-    chat = OpenAIServingChat(engine, render_chat, names)
+    chat = OpenAIServingChat(engine, render_chat, names, options.tool_call_parser)
     info = _ServingInfo(engine, render_chat, names)
     app = FastAPI(title="pagedllm", lifespan=lifespan)
     app.post("/v1/completions")(completion.create)

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from functools import partial
 
+from pagedllm.beam_search import BeamSearchParams
 from pagedllm.engine import LLMEngine, PromptInput, RequestsFailedError
 from pagedllm.entrypoints.openai.metrics import RequestTiming, ServerMetrics
 from pagedllm.outputs import CompletionOutput, RequestOutput
@@ -30,6 +31,7 @@ _JOIN_TIMEOUT_S = 5.0
 _STATS_INTERVAL_S = 0.05
 
 Item = RequestOutput | BaseException
+EngineParams = SamplingParams | BeamSearchParams
 
 
 class EngineStoppedError(RuntimeError):
@@ -102,7 +104,7 @@ class AsyncLLMEngine:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.metrics = metrics
-        self._engine = engine  # touched by the engine thread only
+        self._engine = engine  # touched by the engine thread only, but for the thread-safe compile_constraint
         self._live: dict[str, _Live] = {}  # engine thread only
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -125,7 +127,14 @@ class AsyncLLMEngine:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    async def add_requests(self, prompts: list[PromptInput], params: SamplingParams) -> RequestGroup:
+    async def compile_constraint(self, params: EngineParams) -> None:
+        """Compile the request's structured-output constraint (if any) on a thread of its own, so that a slow
+        grammar never stalls the engine thread and one that does not compile is refused (ValueError) before
+        the request is added."""
+        if isinstance(params, SamplingParams):
+            await asyncio.to_thread(self._engine.compile_constraint, params)
+
+    async def add_requests(self, prompts: list[PromptInput], params: EngineParams) -> RequestGroup:
         """Queue one request per prompt, all or none. Raises what `LLMEngine.add_request` raises (ValueError for
         a request that could never run), or EngineStoppedError while shutting down."""
         if not (self._accepting and self.is_running):
@@ -216,7 +225,7 @@ class AsyncLLMEngine:
         self,
         group: RequestGroup,
         prompts: list[PromptInput],
-        params: SamplingParams,
+        params: EngineParams,
         arrival: float,
         accepted: asyncio.Future[None],
     ) -> None:
@@ -227,8 +236,9 @@ class AsyncLLMEngine:
         except Exception as error:
             self._to_loop(_settle, accepted, error)
             return
+        n = params.n if isinstance(params, SamplingParams) else params.beam_width
         for index, request_id in enumerate(group.request_ids):
-            self._live[request_id] = _Live(group, index, params.n, arrival)
+            self._live[request_id] = _Live(group, index, n, arrival)
         self._to_loop(_settle, accepted, None)
 
     def _abort(self, request_ids: list[str]) -> None:

@@ -6,14 +6,26 @@ fails loudly with the field's name instead of being ignored.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import json
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from pagedllm.sampling_params import MAX_LOGIT_BIAS
 
 MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs; vLLM's default max_logprobs
 MAX_N = 128  # each sample is a sequence in the engine: refuse requests that would flood it
 
 TokenId = Annotated[int, Field(ge=0)]
+JsonSchema = dict[str, Any]
 
 
 def _check_prompt_shape(value: object) -> object:
@@ -35,12 +47,62 @@ def _is_token_ids(value: list) -> bool:
 PromptField = Annotated[str | list[str] | list[int] | list[list[int]], BeforeValidator(_check_prompt_shape)]
 
 
+def _token_id_keys(value: object) -> object:
+    """OpenAI's logit_bias is a JSON object, so its token ids arrive as strings: '42' -> 42, range checked."""
+    if not isinstance(value, dict):
+        return value
+    bias = {}
+    for key, number in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+        if isinstance(number, bool) or not isinstance(number, int | float) or abs(number) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {number!r} for token {key}")
+        bias[int(key)] = number
+    return bias
+
+
+LogitBias = Annotated[dict[int, float], BeforeValidator(_token_id_keys)]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Strict):
+    name: str
+    description: str | None = None
+    schema_: JsonSchema = Field(default_factory=lambda: {"type": "object"}, alias="schema")
+    strict: bool | None = None  # the schema is always enforced
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's `response_format`. The type is checked here rather than by a Literal so that an unknown one
+    is an error naming `response_format` with the types we know."""
+
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _known_type(self) -> ResponseFormat:
+        if self.type not in ("text", "json_object", "json_schema"):
+            raise ValueError(f"unknown type {self.type!r}: use 'text', 'json_object' or 'json_schema'")
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type 'json_schema', and only with it")
+        return self
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs` extra: exactly one constraint (checked when it becomes SamplingParams)."""
+
+    json_: JsonSchema | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class SamplingRequest(_Strict):
@@ -67,6 +129,25 @@ class SamplingRequest(_Strict):
     cache_salt: str | None = Field(None, min_length=1)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: LogitBias | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM's constrained decoding extras: the current field and the older guided_* ones
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: JsonSchema | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # vLLM's prompt logprobs and beam search extras
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_not_streamed(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and info.data.get("stream"):
+            raise ValueError("prompt_logprobs are not available when streaming (as in vLLM)")
+        return value
 
     @field_validator("stream_options")
     @classmethod
@@ -87,13 +168,6 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=MAX_N)
 
-    @field_validator("echo")
-    @classmethod
-    def _echo_without_logprobs(cls, value: bool, info: ValidationInfo) -> bool:
-        if value and info.data.get("logprobs") is not None:
-            raise ValueError("echo with logprobs is not supported: the engine computes no prompt logprobs")
-        return value
-
     @field_validator("best_of")
     @classmethod
     def _best_of_not_streamed(cls, value: int | None, info: ValidationInfo) -> int | None:
@@ -107,17 +181,88 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's result answers this call
+    # What the openai client's reply message carries when an agent loop sends it back as is: accepted
+    # empty, as the reply gave them, and not shown to the model.
+    refusal: None = None
+    annotations: list[Any] | None = None
+    audio: None = None
+    function_call: None = None
 
-    def for_template(self) -> dict[str, str]:
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
-        message = {"role": self.role, "content": content}
+    @model_validator(mode="after")
+    def _tool_fields_fit_the_role(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("tool messages, and only they, need tool_call_id")
+        return self
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it (transformers' convention): text content, and each tool
+        call's arguments as a dict when they are a JSON object."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls is not None:
+            message["tool_calls"] = [
+                {"id": call.id, "type": call.type, "function": {"name": call.function.name, "arguments": arguments}}
+                for call, arguments in zip(self.tool_calls, self.call_arguments(), strict=True)
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
+
+    def call_arguments(self) -> list[dict | str]:
+        return [_json_object_or_text(call.function.arguments) for call in self.tool_calls or []]
+
+
+def _json_object_or_text(text: str) -> dict | str:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: JsonSchema | None = None
+    strict: bool | None = None  # a named or required choice is always enforced; auto never is
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -127,6 +272,9 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @field_validator("top_logprobs")
     @classmethod
@@ -166,10 +314,22 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy format; an echoed prompt's first token has no logprob (null), as in vLLM."""
+
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: None for the first token, then token id (as a string) -> its logprob
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class _Choice(BaseModel):
@@ -189,6 +349,7 @@ class _Reply(BaseModel):
 class CompletionChoice(_Choice):
     text: str
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(_Reply):
@@ -215,7 +376,8 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(_Choice):
@@ -227,11 +389,25 @@ class ChatCompletionResponse(_Reply):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
 
 
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(_Choice):

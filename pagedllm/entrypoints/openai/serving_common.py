@@ -1,6 +1,6 @@
-"""What the endpoints share: errors in OpenAI's shape, the model check, the chat template, sampling
-parameters from a request, adding requests to the engine, and their outputs as one response or as a stream
-of server-sent events."""
+"""What the endpoints share: errors in OpenAI's shape, the model check, the chat template, sampling (or beam
+search) parameters and constraints from a request, adding requests to the engine, and their outputs as one
+response or as a stream of server-sent events."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, fields
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import jinja2
 from fastapi import Request
@@ -17,7 +17,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
-from pagedllm.entrypoints.openai import protocol
+from pagedllm.beam_search import BeamSearchParams
+from pagedllm.entrypoints.openai import protocol, tool_parsers
 from pagedllm.entrypoints.openai.async_engine import (
     AsyncLLMEngine,
     EngineStoppedError,
@@ -25,12 +26,27 @@ from pagedllm.entrypoints.openai.async_engine import (
     RequestGroup,
 )
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
-_OWN_WAY = {"temperature", "max_tokens", "logprobs", "best_of"}
+_OWN_WAY = {"temperature", "max_tokens", "logprobs", "best_of", "prompt_logprobs", "structured_outputs"}
 _SHARED_SAMPLING_FIELDS = [spec.name for spec in fields(SamplingParams) if spec.name not in _OWN_WAY]
 Reply = TypeVar("Reply", bound=BaseModel)  # a whole response, or one chunk of a stream
-RenderChat = Callable[[list[dict[str, str]], bool], dict]
+RenderChat = Callable[[list[dict[str, Any]], bool, list[dict] | None], dict]
+EngineParams = SamplingParams | BeamSearchParams
+# Fields beam search has no use for: given with use_beam_search, they would be ignored, so they are refused.
+_NOT_WITH_BEAMS = (
+    "best_of",
+    "logprobs",
+    "top_logprobs",
+    "prompt_logprobs",
+    "logit_bias",
+    "stop",
+    "stop_token_ids",
+    "min_tokens",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 
 
 class ApiError(Exception):
@@ -80,39 +96,134 @@ class OpenAIServing:
             raise ApiError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
         return requested
 
-    def _render(self, messages: list[protocol.ChatMessage], add_generation_prompt: bool) -> dict:
+    def _render(
+        self, messages: list[protocol.ChatMessage], add_generation_prompt: bool, tools: list[dict] | None = None
+    ) -> dict:
+        conversation, tools = tool_parsers.conversation(messages, tools, self.engine.tokenizer.chat_template)
         try:
-            return self.render_chat([m.for_template() for m in messages], add_generation_prompt)
+            return self.render_chat(conversation, add_generation_prompt, tools)
         except (ValueError, TypeError, jinja2.TemplateError) as error:
             raise ApiError(400, f"cannot apply the chat template: {error}", param="messages") from error
 
     async def _add(
-        self, prompts: list[dict], cache_salt: str | None, params: SamplingParams, param: str
+        self,
+        prompts: list[dict],
+        cache_salt: str | None,
+        params: EngineParams,
+        param: str,
+        constraint: Constraint | None = None,
     ) -> RequestGroup:
+        if constraint is not None:
+            await self._compile(params, constraint)
         if cache_salt is not None:
             prompts = [{**prompt, "cache_salt": cache_salt} for prompt in prompts]
         try:
             return await self.engine.add_requests(prompts, params)
         except ValueError as error:  # refused by the engine: too long, empty, outside the vocabulary
+            param = "logit_bias" if "logit_bias token id" in str(error) else param
             raise ApiError(400, str(error), param=param) from error
         except EngineStoppedError as error:
             raise ApiError(503, str(error), kind="server_error") from error
 
+    async def _compile(self, params: EngineParams, constraint: Constraint) -> None:
+        try:
+            await self.engine.compile_constraint(params)
+        except ValueError as error:  # fail closed: never run a constraint that does not compile unconstrained
+            raise ApiError(400, f"{constraint.param}: {error}", param=constraint.param) from error
+
+    def _room(self, prompts: list[dict]) -> int:
+        """The most tokens every prompt leaves room for (at least 1: a prompt that fills the context is refused
+        by the engine, with its length)."""
+        lengths = [
+            len(prompt["prompt_token_ids"])
+            if "prompt_token_ids" in prompt
+            else len(self.engine.tokenizer.encode(prompt["prompt"]))
+            for prompt in prompts
+        ]
+        return max(self.engine.max_model_len - max(lengths), 1)
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """A structured-output constraint and the request field it came from, which its errors name."""
+
+    param: str
+    spec: StructuredOutputsParams
+
+
+def constraint(body: protocol.SamplingRequest, *more: Constraint) -> Constraint | None:
+    """The one constraint the request asks for, from whichever field it used; 400 if several."""
+    given = [*_requested_constraints(body), *more]
+    if len(given) > 1:
+        names = ", ".join(c.param for c in given)
+        raise ApiError(400, f"give at most one output constraint, got {names}", param=given[1].param)
+    return given[0] if given else None
+
+
+def _requested_constraints(body: protocol.SamplingRequest) -> list[Constraint]:
+    found = []
+    if body.response_format is not None and body.response_format.type != "text":
+        schema = body.response_format.json_schema
+        spec = {"json": schema.schema_} if schema is not None else {"json_object": True}
+        found.append(_constraint("response_format", spec))
+    if body.structured_outputs is not None:
+        found.append(
+            _constraint("structured_outputs", body.structured_outputs.model_dump(by_alias=True, exclude_none=True))
+        )
+    guided = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+    for param, kind in guided.items():
+        if getattr(body, param) is not None:
+            found.append(_constraint(param, {kind: getattr(body, param)}))
+    return found
+
+
+def _constraint(param: str, spec: dict) -> Constraint:
+    try:
+        return Constraint(param, StructuredOutputsParams(**spec))
+    except ValueError as error:
+        raise ApiError(400, f"{param}: {error}", param=param) from error
+
 
 def sampling_params(
-    body: protocol.SamplingRequest, max_tokens: int | None, logprobs: int | None, best_of: int | None
+    body: protocol.SamplingRequest,
+    constraint: Constraint | None,
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+    prompt_logprobs: int | None,
+    best_of: int | None = None,
 ) -> SamplingParams:
-    """The request's sampling fields that SamplingParams shares by name, plus the four each endpoint
-    reads its own way."""
+    """The request's sampling fields that SamplingParams shares by name, plus those each endpoint reads its
+    own way."""
     shared = {name: getattr(body, name) for name in _SHARED_SAMPLING_FIELDS if name in type(body).model_fields}
     temperature = 1.0 if body.temperature is None else body.temperature
     try:
         return SamplingParams(
-            **shared, temperature=temperature, max_tokens=max_tokens, logprobs=logprobs, best_of=best_of
+            **shared,
+            temperature=temperature,
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            best_of=best_of,
+            structured_outputs=constraint.spec if constraint is not None else None,
         )
     except ValueError as error:  # rules across fields, e.g. min_tokens <= max_tokens; messages start with the field
         field_name = str(error).split(" ", 1)[0]
         raise ApiError(400, str(error), param=field_name if field_name in type(body).model_fields else None) from error
+
+
+def beam_params(body: protocol.SamplingRequest, constraint: Constraint | None, max_tokens: int) -> BeamSearchParams:
+    """vLLM's `use_beam_search`: `n` beams, best first. Fields that sampling alone uses are refused."""
+    if constraint is not None:
+        raise ApiError(400, f"{constraint.param} cannot be combined with use_beam_search", param=constraint.param)
+    fields_ = type(body).model_fields
+    for name in _NOT_WITH_BEAMS:
+        if name in fields_ and getattr(body, name) != fields_[name].default:
+            raise ApiError(400, f"{name} cannot be combined with use_beam_search", param=name)
+    try:
+        return BeamSearchParams(body.n, max_tokens, body.ignore_eos, body.length_penalty)
+    except ValueError as error:
+        raise ApiError(400, str(error), param=str(error).split(" ", 1)[0]) from error
 
 
 def usage(finals: list[RequestOutput]) -> protocol.Usage:
@@ -125,9 +236,29 @@ def sampled_logprob(completion: CompletionOutput, position: int) -> Logprob:
     return completion.logprobs[position][completion.token_ids[position]]
 
 
-def most_likely(completion: CompletionOutput, position: int, k: int) -> list[Logprob]:
-    """The k most likely tokens; the entry also holds the sampled token, which may rank below them."""
-    return sorted(completion.logprobs[position].values(), key=lambda lp: lp.rank)[:k]
+def most_likely(entry: dict[int, Logprob], k: int) -> list[Logprob]:
+    """The k most likely tokens; the entry also holds the sampled (or prompt) token, which may rank below them."""
+    return sorted(entry.values(), key=lambda lp: lp.rank)[:k]
+
+
+def prompt_logprobs(output: RequestOutput, k: int) -> protocol.PromptLogprobs | None:
+    """vLLM's `prompt_logprobs`: each prompt token's entry (its own token and the k most likely), the first
+    null. The engine may have computed more than k when echo asked for more."""
+    if output.prompt_logprobs is None:
+        return None
+    return [
+        None if entry is None else _prompt_entry(entry, token, k)
+        for token, entry in zip(output.prompt_token_ids, output.prompt_logprobs, strict=True)
+    ]
+
+
+def _prompt_entry(entry: dict[int, Logprob], token: int, k: int) -> dict[str, protocol.PromptLogprob]:
+    kept = {token_id for token_id, lp in entry.items() if token_id == token or lp.rank <= k}
+    return {
+        str(token_id): protocol.PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token)
+        for token_id, lp in entry.items()
+        if token_id in kept
+    }
 
 
 # ---- one response ---------------------------------------------------------------------------
@@ -213,11 +344,10 @@ MakeChoice = Callable[[Piece], BaseModel | None]  # None: the piece is not worth
 
 
 async def stream_chunks(
-    call: Call, kind: type[Reply], group: RequestGroup, params: SamplingParams, include_usage: bool, choice: MakeChoice
+    call: Call, kind: type[Reply], group: RequestGroup, holdback: int, include_usage: bool, choice: MakeChoice
 ) -> AsyncIterator[Reply]:
     """A chunk of `kind` for each output that moved a completion, with the choices `choice` makes of the
-    pieces; then, when asked for, a last chunk with the usage only."""
-    holdback = _holdback(params)
+    pieces; then, when asked for, a last chunk with the usage only. `holdback`: see `_Cursor`."""
     cursors: dict[tuple[int, int], _Cursor] = {}
     finals: dict[int, RequestOutput] = {}
     async for prompt_index, output in group:
@@ -266,7 +396,8 @@ class _Cursor:
         return text, tokens
 
 
-def _holdback(params: SamplingParams) -> int:
-    if not params.stop or params.include_stop_str_in_output:
+def holdback(params: EngineParams) -> int:
+    """How many characters of unfinished text a stream holds back: a stop string could still cut them."""
+    if isinstance(params, BeamSearchParams) or not params.stop or params.include_stop_str_in_output:
         return 0
     return max(len(stop) for stop in params.stop) - 1
