@@ -17,6 +17,7 @@ import pytest
 
 from pagedllm import LLM, BeamSearchParams, SamplingParams
 from tests.conftest import save_tiny_model
+from tests.test_families import FAMILIES, prompts_for
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -188,3 +189,20 @@ def test_a_node_that_never_comes_fails_start_up_within_the_timeout(tiny_llama):
     while children() - before and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not children() - before
+
+
+# Each option the sharding must respect, once (all nine families passed when this was written; five keep
+# the CI run short): biases (Llama), q/k norms (Qwen3), Gemma's sandwich norms and soft-caps, Phi3's fused
+# checkpoint and partial rotary, sliding windows and split experts beside a dense layer (Qwen3-MoE).
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "phi3", "qwen3_moe"])
+def test_families_on_two_ranks_equal_one(family, tmp_path):
+    model_type, options, _ = FAMILIES[family]
+    folder = save_tiny_model(tmp_path, model_type, seed=len(family), **options)
+    prompts = prompts_for(380, seed=len(family))
+    expected = LLM(model=folder, dtype="float32", block_size=4).generate(
+        [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False
+    )
+    llm = LLM(model=folder, dtype="float32", block_size=4, tensor_parallel_size=2)
+    got = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    llm.engine.shutdown()
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm.distributed import parallel
 from pagedllm.models import fused
 from pagedllm.models.prepack import can_prepack, prepacked
 
@@ -66,6 +67,9 @@ class SparseMoeBlock(nn.Module):
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.float32_routing = float32_routing
+        # Under tensor parallelism each rank holds a slice of every expert's channels: its output is a
+        # partial sum that the ranks add up.
+        self.reduce = False
         self.gate = _Router(hidden_size, num_experts)
         self.experts = _Experts(hidden_size, intermediate_size, num_experts)
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -128,8 +132,10 @@ class SparseMoeBlock(nn.Module):
                     start += n
             weighted = out.new_empty(out.shape, dtype=torch.promote_types(out.dtype, weights.dtype))
             weighted[order] = out * weights.view(-1)[order, None]
-        # float32 for Mixtral in bf16 (its float32 routing weights), summed before the one rounding.
-        return weighted.view(num_tokens, k, self.hidden_size).sum(dim=1).to(x.dtype)
+        # float32 for Mixtral in bf16 (its float32 routing weights), summed (over ranks too) before the one
+        # rounding.
+        summed = weighted.view(num_tokens, k, self.hidden_size).sum(dim=1)
+        return (parallel.all_reduce(summed) if self.reduce else summed).to(x.dtype)
 
 
 def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@
   keeps the matching columns, and the ranks sum their partial products (`Linear.reduce`).
 - When there are more ranks than KV heads, KV heads are replicated (as vLLM does): rank r keeps KV head
   `r * num_kv_heads // world_size`, the one its query heads read.
+- Mixture-of-experts blocks split every expert's channels the same way; the router stays whole.
 - The embedding and the LM head are vocabulary-parallel: each rank keeps `ceil(vocab / world_size)` rows
   (the last zero-padded); embeddings are summed over ranks, logits gathered.
 
@@ -22,6 +23,7 @@ from torch import nn
 from pagedllm.distributed.parallel import Shard
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.decoder import MLP, Attention, CausalLM, Linear
+from pagedllm.models.moe import SparseMoeBlock
 
 
 def check_divisible(config: ModelConfig, world_size: int) -> None:
@@ -33,8 +35,10 @@ def check_divisible(config: ModelConfig, world_size: int) -> None:
         raise ValueError(
             f"tensor_parallel_size {world_size} neither divides the {kv_heads} KV heads nor is a multiple of them"
         )
-    if config.moe is not None:
-        raise ValueError("tensor parallelism of mixture-of-experts models is not supported yet")
+    if config.moe is not None and config.moe.intermediate_size % world_size:
+        raise ValueError(
+            f"tensor_parallel_size {world_size} does not divide the experts' {config.moe.intermediate_size} channels"
+        )
     if config.intermediate_size % world_size:
         raise ValueError(
             f"tensor_parallel_size {world_size} does not divide the MLP's {config.intermediate_size} channels"
@@ -80,12 +84,27 @@ def _kv_range(num_kv_heads: int, shard: Shard) -> tuple[int, int]:
 
 
 def _shard_mlp(mlp: nn.Module, shard: Shard) -> None:
+    if isinstance(mlp, SparseMoeBlock):
+        _shard_experts(mlp, shard)
+        return
     if not isinstance(mlp, MLP):
         raise TypeError(f"cannot shard {type(mlp).__name__} across ranks")
     size = mlp.down_proj.weight.shape[1]
     first, last = shard.range(size)
     _keep_rows(mlp.gate_up_proj, torch.cat([torch.arange(first, last), size + torch.arange(first, last)]))
     _keep_columns(mlp.down_proj, torch.arange(first, last), shard)
+
+
+def _shard_experts(block: SparseMoeBlock, shard: Shard) -> None:
+    """Every expert split as a dense MLP is (the router stays whole on every rank): each rank computes
+    every routed token's partial output from its slice of the experts' channels."""
+    size = block.intermediate_size
+    first, last = shard.range(size)
+    rows = torch.cat([torch.arange(first, last), size + torch.arange(first, last)])
+    block.experts.gate_up_proj = _param(block.experts.gate_up_proj[:, rows])
+    block.experts.down_proj = _param(block.experts.down_proj[:, :, first:last])
+    block.intermediate_size = last - first
+    block.reduce = shard.world_size > 1
 
 
 def _keep_rows(linear: Linear, rows: torch.Tensor) -> None:
