@@ -59,6 +59,9 @@ class EngineConfig:
     )
     master_addr: str = option("127.0.0.1", "address where the tensor-parallel ranks meet (rank 0's)")
     master_port: int | None = option(None, "port where the ranks meet (default: a free one; required with nnodes > 1)")
+    kv_events_file: str | None = option(
+        None, "append KV events (vLLM's BlockStored, BlockRemoved, AllBlocksCleared) to this JSON-lines file"
+    )
     nnodes: int = option(1, "machines the tensor-parallel ranks are spread over (the engine runs on node 0)")
     node_rank: int = option(0, "this machine's index among nnodes (`pagedllm worker` on nodes 1 ..)")
 

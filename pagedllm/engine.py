@@ -7,19 +7,22 @@ import json
 import logging
 import time
 import weakref
+from collections.abc import Callable
 
 from pagedllm.beam_search import BeamSearchParams, BeamState
 from pagedllm.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from pagedllm.distributed.group import TensorParallelGroup, pool_size
+from pagedllm.kv.events import KVEventFile, KVEventSink
 from pagedllm.kv.kv_cache_manager import KVCacheManager
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.loader import LoadedModel, load_model, resolve_model_folder
 from pagedllm.output_processor import OutputProcessor, ProcessedStep
-from pagedllm.outputs import EngineStats, RequestOutput
+from pagedllm.outputs import EngineStats, KVSnapshot, RequestOutput
 from pagedllm.request import SequenceGroup
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.scheduler import Scheduler
 from pagedllm.sequence import SequenceFactory, SequenceStatus
+from pagedllm.step import ModelOutput, SchedulerOutput
 from pagedllm.structured_output import StructuredOutputCompiler
 from pagedllm.worker.cache_engine import KVShape
 from pagedllm.worker.worker import StepTimer, Worker
@@ -37,6 +40,11 @@ class RequestsFailedError(RuntimeError):
         super().__init__("; ".join(f"request {rid!r} failed: {error!r}" for rid, error in errors.items()))
         self.errors = errors
         self.outputs = outputs
+
+
+class EngineDeadError(RuntimeError):
+    """A tensor-parallel step failed: a rank died or stopped answering, and the ranks' state is no longer
+    in step. The engine cannot continue; every request it holds is lost."""
 
 
 class LLMEngine:
@@ -75,6 +83,9 @@ class LLMEngine:
         self.requests: dict[str, SequenceGroup] = {}
         self._num_steps = 0
         self._step_seconds: dict[str, float] = {}
+        self._observers: list[Callable[[], None]] = []
+        if config.kv_events_file:
+            self.add_kv_event_sink(KVEventFile(config.kv_events_file))
         self.startup_seconds = time.perf_counter() - started
         logger.info(
             "engine ready in %.2f s: %d KV blocks of %d tokens, max_model_len %d",
@@ -190,6 +201,7 @@ class LLMEngine:
             seq.status = SequenceStatus.FINISHED_ABORTED
         group.pending_forks = 0
         self.scheduler.remove(group)
+        self._notify()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -210,15 +222,27 @@ class LLMEngine:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler could not schedule any work although requests are waiting")
             return []
-        model_output = self.worker.execute(scheduler_output, timer)
+        model_output = self._execute(scheduler_output, timer)
         update = self.scheduler.update(scheduler_output, model_output)
         processed = self.output_processor.process(update)
         self._retire(processed)
         timer.lap("update")
         self._num_steps += 1
+        self._notify()
         if processed.failed:
             raise RequestsFailedError(processed.failed, processed.outputs)
         return processed.outputs
+
+    def _execute(self, scheduler_output: SchedulerOutput, timer: StepTimer) -> ModelOutput:
+        if self._group.shard is None:
+            return self.worker.execute(scheduler_output, timer)
+        if self._group.broken:
+            raise EngineDeadError("a tensor-parallel rank failed earlier; this engine cannot run again")
+        try:
+            return self.worker.execute(scheduler_output, timer)
+        except RuntimeError as error:  # a collective failed, or the step failed on this rank mid-way
+            self._group.broken = True
+            raise EngineDeadError(f"a tensor-parallel step failed, the ranks are out of step: {error}") from error
 
     def _retire(self, processed: ProcessedStep) -> None:
         """Free what stop strings finished, drop finished requests, abort the ones that failed."""
@@ -239,6 +263,29 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         return self.scheduler.stats(self._num_steps, dict(self._step_seconds))
+
+    def kv_snapshot(self) -> KVSnapshot:
+        """Every block's reference count, the cached blocks and every live sequence's block table, copied.
+        O(num_blocks + table entries); not thread-safe, like every method here: call it where `step` is called."""
+        return self.scheduler.kv_snapshot(self._num_steps)
+
+    # ---- listeners (all called on the thread that steps) ------------------------------------
+
+    def add_kv_event_sink(self, sink: KVEventSink) -> None:
+        """Send `BlockStored` / `BlockRemoved` / `AllBlocksCleared` (`kv/events.py`) to `sink` as they happen."""
+        self.scheduler.add_kv_event_sink(sink)
+
+    def remove_kv_event_sink(self, sink: KVEventSink) -> None:
+        self.scheduler.remove_kv_event_sink(sink)
+
+    def add_observer(self, observer: Callable[[], None]) -> None:
+        """Call `observer` after every step and every abort: the moments the KV state may have changed, and
+        the only ones at which `kv_snapshot` is consistent for a reader that does not step the engine itself."""
+        self._observers.append(observer)
+
+    def _notify(self) -> None:
+        for observer in self._observers:
+            observer()
 
 
 def _kv_window(loaded: LoadedModel) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 @dataclass(slots=True)
@@ -65,3 +65,41 @@ class EngineStats:
     prefix_cache_hit_rate: float
     num_steps: int
     step_seconds: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceKV:
+    """One live sequence's hold on the KV pools, in a `KVSnapshot`."""
+
+    request_id: str
+    seq_id: int
+    status: str  # "running", "waiting" (not admitted yet, or preempted for recompute) or "swapped"
+    num_cached_tokens: int  # tokens whose K/V are stored (on the CPU while swapped out)
+    block_table: list[int]  # GPU block ids in order; -1 where a sliding window gave a block back; [] when swapped
+    swapped_blocks: list[int]  # CPU block ids in order while swapped out, else []
+
+
+@dataclass(frozen=True, slots=True)
+class KVSnapshot:
+    """The KV cache between two steps (`LLM.kv_snapshot()`, the server's `GET /kv/snapshot`): every list is a
+    copy, so it stays consistent while the engine goes on."""
+
+    step: int  # steps run so far
+    time: float  # when it was taken, Unix seconds
+    block_size: int
+    num_blocks: int
+    kv_utilization: float  # η, as `EngineStats.kv_utilization`
+    ref_counts: list[int]  # per GPU block: the block-table entries pointing at it (0 = free)
+    cached: list[int]  # GPU blocks the prefix cache can find, held or free (evictable), in no particular order
+    num_cpu_blocks: int
+    swapped_out_blocks: int  # how many CPU blocks are in use; their ids are in the sequences' `swapped_blocks`
+    num_preemptions: int  # since the engine started
+    sequences: list[SequenceKV]  # every live sequence, by request arrival
+
+    def as_dict(self) -> dict:
+        """A JSON-ready dict; shallow (the lists are shared, not copied) because it can hold 100,000s of ids."""
+        return _shallow_dict(self) | {"sequences": [_shallow_dict(seq) for seq in self.sequences]}
+
+
+def _shallow_dict(value: object) -> dict:
+    return {f.name: getattr(value, f.name) for f in fields(value)}

@@ -14,11 +14,13 @@ scheduler is the only owner of the KV cache manager.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict, deque
 
 from pagedllm.beam_search import Candidate, FinishedBeam
+from pagedllm.kv.events import KVEventSink
 from pagedllm.kv.kv_cache_manager import KVCacheManager
-from pagedllm.outputs import EngineStats
+from pagedllm.outputs import EngineStats, KVSnapshot, SequenceKV
 from pagedllm.request import SequenceGroup
 from pagedllm.sequence import Sequence, SequenceFactory, SequenceStatus
 from pagedllm.step import ModelOutput, NewToken, RowOutput, SampleRow, ScheduledSeq, SchedulerOutput, StepUpdate
@@ -313,7 +315,44 @@ class Scheduler:
         """Forget every cached block; refused while any block is in use."""
         self.kv.reset_prefix_cache()
 
+    def add_kv_event_sink(self, sink: KVEventSink) -> None:
+        self.kv.add_event_sink(sink)
+
+    def remove_kv_event_sink(self, sink: KVEventSink) -> None:
+        self.kv.remove_event_sink(sink)
+
     # ---- numbers --------------------------------------------------------------------------
+
+    def kv_snapshot(self, num_steps: int) -> KVSnapshot:
+        """The pool and every live sequence's table, copied: call between steps, on the stepping thread."""
+        pool = self.kv.snapshot()
+        return KVSnapshot(
+            step=num_steps,
+            time=time.time(),
+            block_size=pool.block_size,
+            num_blocks=pool.num_blocks,
+            kv_utilization=pool.kv_utilization,
+            ref_counts=pool.ref_counts,
+            cached=pool.cached,
+            num_cpu_blocks=pool.num_cpu_blocks,
+            swapped_out_blocks=pool.swapped_out_blocks,
+            num_preemptions=self.num_preemptions,
+            sequences=[self._sequence_kv(seq) for group in self.groups.values() for seq in group.live_seqs()],
+        )
+
+    def _sequence_kv(self, seq: Sequence) -> SequenceKV:
+        record = self.kv.seqs.get(seq.seq_id)
+        table = list(record.blocks) if record is not None else []
+        swapped = record is not None and record.swapped
+        slid_tokens = record.num_slid * self.kv.block_size if record is not None else 0
+        return SequenceKV(
+            request_id=seq.request_id,
+            seq_id=seq.seq_id,
+            status=seq.status.name.lower(),
+            num_cached_tokens=max(seq.num_computed_tokens - slid_tokens, 0),
+            block_table=[] if swapped else table,
+            swapped_blocks=table if swapped else [],
+        )
 
     def stats(self, num_steps: int, step_seconds: dict[str, float]) -> EngineStats:
         pool, kv = self.kv.pool, self.kv

@@ -13,11 +13,13 @@ import sys
 import time
 from pathlib import Path
 
+import openai
 import pytest
 
 from pagedllm import LLM, BeamSearchParams, SamplingParams
 from tests.conftest import save_tiny_model
 from tests.test_families import FAMILIES, prompts_for
+from tests.test_server import start_server
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -206,3 +208,25 @@ def test_families_on_two_ranks_equal_one(family, tmp_path):
     got = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     llm.engine.shutdown()
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+
+
+def test_a_server_whose_rank_dies_fails_its_requests_and_exits_non_zero(tiny_llama, tmp_path):
+    server = start_server(
+        tiny_llama, tmp_path / "server.log", "--tensor-parallel-size", "2", "--distributed-timeout", "10"
+    )
+    try:
+        follower = next(iter(children_of(server.process.pid)))
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        assert client.completions.create(model=str(tiny_llama), prompt="Hello", max_tokens=4).choices[0].text
+        os.kill(follower, signal.SIGKILL)
+        with pytest.raises(openai.InternalServerError, match="tensor-parallel"):
+            client.completions.create(model=str(tiny_llama), prompt="Hello again", max_tokens=8)
+        assert server.process.wait(timeout=30) == 1, (tmp_path / "server.log").read_text()
+    finally:
+        server.process.kill()
+
+
+def children_of(pid: int) -> set[int]:
+    return {
+        int(child) for task in Path(f"/proc/{pid}/task").iterdir() for child in (task / "children").read_text().split()
+    }

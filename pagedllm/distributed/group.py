@@ -100,6 +100,7 @@ class TensorParallelGroup:
     shard: parallel.Shard | None = None
     followers: Followers | None = None
     stopped: bool = field(default=False)
+    broken: bool = field(default=False)  # a step failed: the ranks may be mid-collective, no stop message
 
     @classmethod
     def start(
@@ -133,7 +134,7 @@ class TensorParallelGroup:
             return
         self.stopped = True
         try:
-            if not self.followers.dead():
+            if not self.followers.dead() and not self.broken:
                 leader.stop_followers()
         except RuntimeError:
             logger.warning("the other ranks did not take the stop message; stopping their processes")

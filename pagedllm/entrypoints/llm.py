@@ -12,7 +12,7 @@ from tqdm import tqdm
 from pagedllm.beam_search import BeamSearchParams
 from pagedllm.config import EngineConfig
 from pagedllm.engine import LLMEngine, PromptInput
-from pagedllm.outputs import EngineStats, RequestOutput
+from pagedllm.outputs import EngineStats, KVSnapshot, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 Message = dict[str, str]
@@ -30,6 +30,11 @@ class LLM:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    def kv_snapshot(self) -> KVSnapshot:
+        """The KV cache as it is now: every block's reference count, the cached blocks, every live sequence's
+        block table (`KVSnapshot`; `.as_dict()` is what the server's `GET /kv/snapshot` returns)."""
+        return self.engine.kv_snapshot()
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (refused while requests hold blocks)."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from pagedllm.kv.events import AllBlocksCleared, BlockRemoved, KVEventSink
+
 
 class NoFreeBlocksError(RuntimeError):
     pass
@@ -28,6 +30,8 @@ class BlockPool:
         self.cached: dict[bytes, int] = {}
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.peak_used = 0
+        # Set only while someone listens (KVCacheManager.add_event_sink): evictions and resets are reported.
+        self.events: KVEventSink | None = None
 
     @property
     def num_free(self) -> int:
@@ -45,9 +49,11 @@ class BlockPool:
         if count > len(self._free):
             raise NoFreeBlocksError(f"asked for {count} blocks, {len(self._free)} free")
         blocks = [self._free.popitem(last=False)[0] for _ in range(count)]
+        evicted = [block_hash for block in blocks if (block_hash := self._evict(block)) is not None]
         for block in blocks:
-            self._evict(block)
             self.ref_counts[block] = 1
+        if evicted and self.events is not None:
+            self.events(BlockRemoved(evicted))
         self._note_peak()
         return blocks
 
@@ -74,11 +80,14 @@ class BlockPool:
     def is_free(self, block: int) -> bool:
         return block in self._free
 
-    def register(self, block: int, block_hash: bytes) -> None:
-        """Make a full block findable by its hash (first writer wins; duplicates stay unregistered)."""
+    def register(self, block: int, block_hash: bytes) -> bool:
+        """Make a full block findable by its hash (first writer wins; duplicates stay unregistered).
+        True when it was registered."""
         if self.block_hash[block] is None and block_hash not in self.cached:
             self.block_hash[block] = block_hash
             self.cached[block_hash] = block
+            return True
+        return False
 
     def lookup(self, block_hash: bytes) -> int | None:
         return self.cached.get(block_hash)
@@ -88,12 +97,16 @@ class BlockPool:
             raise RuntimeError(f"cannot reset the prefix cache while {self.num_used} blocks are in use")
         self.cached.clear()
         self.block_hash = [None] * self.num_blocks
+        if self.events is not None:
+            self.events(AllBlocksCleared())
 
-    def _evict(self, block: int) -> None:
+    def _evict(self, block: int) -> bytes | None:
+        """Forget the block's cached contents; returns the hash it had, if any."""
         block_hash = self.block_hash[block]
         if block_hash is not None:
             del self.cached[block_hash]
             self.block_hash[block] = None
+        return block_hash
 
     def _note_peak(self) -> None:
         self.peak_used = max(self.peak_used, self.num_used)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from pagedllm.kv.block_pool import BlockPool
+from pagedllm.kv.events import BlockStored, KVEvent, KVEventSink
 from pagedllm.kv.prefix_hash import ROOT_HASH, hash_blocks
 
 BlockPair = tuple[int, int]
@@ -35,6 +36,19 @@ class SeqBlocks:
         return self.blocks[self.num_slid :]
 
 
+@dataclass(frozen=True, slots=True)
+class PoolSnapshot:
+    """The block side of a KV snapshot: copies, so the engine may go on while a reader looks at it."""
+
+    block_size: int
+    num_blocks: int
+    ref_counts: list[int]  # per block: the block-table entries pointing at it (0 = free)
+    cached: list[int]  # blocks the prefix cache can find, held or free, in no particular order
+    num_cpu_blocks: int
+    swapped_out_blocks: int  # CPU blocks in use; which ones each sequence holds is in its own table
+    kv_utilization: float
+
+
 class KVCacheManager:
     def __init__(
         self,
@@ -57,6 +71,7 @@ class KVCacheManager:
         self.num_cow_copies = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self._sinks: list[KVEventSink] = []
 
     @property
     def num_blocks(self) -> int:
@@ -149,11 +164,26 @@ class KVCacheManager:
         full = num_computed // self.block_size
         if full <= len(hashes):
             return
+        first = len(hashes)
         parent = hashes[-1] if hashes else ROOT_HASH
-        new = hash_blocks(token_ids, self.block_size, record.salt, len(hashes), full, parent)
-        for index, block_hash in enumerate(new, start=len(hashes)):
-            self.pool.register(record.blocks[index], block_hash)
+        new = hash_blocks(token_ids, self.block_size, record.salt, first, full, parent)
+        stored = [self.pool.register(record.blocks[first + i], block_hash) for i, block_hash in enumerate(new)]
         hashes.extend(new)
+        if self._sinks:
+            self._report_stored(token_ids, hashes, first, stored)
+
+    def _report_stored(self, token_ids: list[int], hashes: list[bytes], first: int, stored: list[bool]) -> None:
+        """One BlockStored per run of consecutive newly registered blocks (`stored[i]`: block `first + i` was). A
+        block that another sequence registered first is not stored again, and breaks the run."""
+        size = self.block_size
+        start = None
+        for index, is_new in enumerate([*stored, False], start=first):
+            if is_new and start is None:
+                start = index
+            elif not is_new and start is not None:
+                parent = hashes[start - 1] if start else None
+                self._emit(BlockStored(hashes[start:index], parent, token_ids[start * size : index * size], size))
+                start = None
 
     def free(self, seq_id: int) -> None:
         record = self.seqs.pop(seq_id, None)
@@ -167,6 +197,22 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_cache()
+
+    # ---- events -----------------------------------------------------------------------------
+
+    def add_event_sink(self, sink: KVEventSink) -> None:
+        """Report prefix-cache changes (`kv/events.py`) to `sink`, on the thread that drives this manager."""
+        self._sinks.append(sink)
+        self.pool.events = self._emit
+
+    def remove_event_sink(self, sink: KVEventSink) -> None:
+        self._sinks.remove(sink)
+        if not self._sinks:
+            self.pool.events = None  # nobody listens: the pool builds no events at all
+
+    def _emit(self, event: KVEvent) -> None:
+        for sink in self._sinks:
+            sink(event)
 
     # ---- swapping -------------------------------------------------------------------------
 
@@ -216,6 +262,19 @@ class KVCacheManager:
         live = [record for record in self.seqs.values() if not record.swapped]
         held = sum(record.num_tokens - record.num_slid * self.block_size for record in live)
         return held / (used * self.block_size) if used and held else 0.0
+
+    def snapshot(self) -> PoolSnapshot:
+        """Copies of the pool's state, for a reader on another thread. O(num_blocks) in list copies only."""
+        pool, cpu_pool = self.pool, self.cpu_pool
+        return PoolSnapshot(
+            block_size=self.block_size,
+            num_blocks=pool.num_blocks,
+            ref_counts=pool.ref_counts.copy(),
+            cached=list(pool.cached.values()),
+            num_cpu_blocks=cpu_pool.num_blocks if cpu_pool else 0,
+            swapped_out_blocks=cpu_pool.num_used if cpu_pool else 0,
+            kv_utilization=self.utilization(),
+        )
 
     def blocks_saved_by_sharing(self) -> int:
         tables = [record.held for record in self.seqs.values() if not record.swapped]

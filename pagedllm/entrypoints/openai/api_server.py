@@ -32,6 +32,7 @@ from pagedllm.config import ServeOptions
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.entrypoints.openai import protocol
 from pagedllm.entrypoints.openai.async_engine import AsyncLLMEngine
+from pagedllm.entrypoints.openai.kv_page import mount_kv_page
 from pagedllm.entrypoints.openai.metrics import METRICS_CONTENT_TYPE, ServerMetrics
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_common import ApiError, OpenAIServing, RenderChat
@@ -42,20 +43,26 @@ _SHUTDOWN_BACKSTOP_S = 3.0  # after the grace period and the aborts, uvicorn can
 
 
 def serve(llm: LLM, options: ServeOptions) -> int:
-    """Serve until SIGTERM or SIGINT; then finish or abort in-flight requests and return 0."""
+    """Serve until SIGTERM or SIGINT; then finish or abort in-flight requests and return 0. If the engine
+    cannot continue (a tensor-parallel rank died), fail its requests, stop, and return 1."""
     _leave_a_core_to_http()
     options = replace(options, served_model_names=options.model_names(llm.engine.config.model))
     engine = AsyncLLMEngine(llm.engine, ServerMetrics())
+    app = build_app(engine, llm.render_chat, options)
+    mount_kv_page(app, llm.engine)  # after build_app: its query-key middleware must run before the API-key check
     config = uvicorn.Config(
-        build_app(engine, llm.render_chat, options),
+        app,
         host=options.host,
         port=options.port,
         log_level=options.log_level.lower(),
         timeout_graceful_shutdown=math.ceil(options.shutdown_grace_s + _SHUTDOWN_BACKSTOP_S),
     )
     banner = f"pagedllm: serving {options.served_model_names[0]} on http://{options.host}:{options.port}"
-    _Server(config, on_exit=partial(engine.drain, options.shutdown_grace_s), banner=banner).run()
-    return 0
+    server = _Server(config, on_exit=partial(engine.drain, options.shutdown_grace_s), banner=banner)
+    engine.on_fatal = server.fail
+    server.run()
+    llm.engine.shutdown()
+    return server.exit_code
 
 
 def _leave_a_core_to_http() -> None:
@@ -71,6 +78,11 @@ class _Server(uvicorn.Server):
         super().__init__(config)
         self._on_exit = on_exit
         self._banner = banner
+        self.exit_code = 0
+
+    def fail(self) -> None:
+        self.exit_code = 1
+        self.should_exit = True
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 
 from pagedllm.beam_search import BeamSearchParams
-from pagedllm.engine import LLMEngine, PromptInput, RequestsFailedError
+from pagedllm.engine import EngineDeadError, LLMEngine, PromptInput, RequestsFailedError
 from pagedllm.entrypoints.openai.metrics import RequestTiming, ServerMetrics
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -114,6 +114,9 @@ class AsyncLLMEngine:
         self._stats_published = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        # Called on the event loop when the engine cannot continue (a tensor-parallel rank died): the server
+        # exits non-zero so that a supervisor restarts it.
+        self.on_fatal: Callable[[], None] = lambda: None
 
     # ---- event-loop side ------------------------------------------------------------------
 
@@ -268,6 +271,13 @@ class AsyncLLMEngine:
     def _step(self) -> None:
         try:
             outputs = self._engine.step()
+        except EngineDeadError as error:
+            logger.error("the engine cannot continue: %s", error)
+            for request_id in list(self._live):
+                self._fail(request_id, error)
+            self._stopping = True
+            self._to_loop(self.on_fatal)
+            return
         except RequestsFailedError as failure:
             for request_id, error in failure.errors.items():
                 self._fail(request_id, error)
