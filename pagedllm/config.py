@@ -109,6 +109,7 @@ class ServeOptions:
     served_model_names: tuple[str, ...] = option((), "default: the --model argument", flag="--served-model-name")
     shutdown_grace_s: float = option(5.0, "seconds in-flight requests get after SIGTERM", flag="--shutdown-grace")
     log_level: str = option("warning", "uvicorn's log level (the CLI's --log-level)")
+    max_body_bytes: int = option(16 << 20, "largest request body accepted; larger ones get HTTP 413 unread")
     tool_call_parser: str = option(
         "auto",
         "how chat replies' tool calls are read; auto: llama3_json for Llama 3 templates, else hermes",

@@ -26,7 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedllm.config import ServeOptions
 from pagedllm.entrypoints.llm import LLM
@@ -130,6 +130,7 @@ def build_app(engine: AsyncLLMEngine, render_chat: RenderChat, options: ServeOpt
     app.add_exception_handler(Exception, _internal_error)
     if options.api_key is not None:
         app.add_middleware(_ApiKeyMiddleware, api_key=options.api_key)
+    app.add_middleware(_BodyLimitMiddleware, limit=options.max_body_bytes)  # added last: runs first
     return app
 
 
@@ -209,6 +210,55 @@ async def _http_error(_: Request, error: HTTPException) -> JSONResponse:
 
 async def _internal_error(_: Request, error: Exception) -> JSONResponse:
     return ApiError(500, f"internal server error: {error!r}", kind="server_error").response()
+
+
+class _BodyLimitMiddleware:
+    """Refuse a request body over `limit` bytes with a 413 before it is read whole: by its Content-Length,
+    or, for a chunked body, as soon as the chunks pass the limit (the app is then told the client left)."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > self.limit:
+            await self._refuse(scope, receive, send)
+            return
+        received, over, started = 0, False, False
+
+        async def counting() -> Message:
+            nonlocal received, over
+            if over:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.limit:
+                over = True
+                return {"type": "http.disconnect"}
+            return message
+
+        async def watching(message: Message) -> None:
+            nonlocal started
+            if over and not started:
+                return  # the app answers a client it believes gone; the 413 below answers instead
+            started = True
+            await send(message)
+
+        try:
+            await self.app(scope, counting, watching)
+        except Exception:
+            if not over:
+                raise
+        if over and not started:
+            await self._refuse(scope, receive, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        message = f"the request body is over the server's limit of {self.limit} bytes (--max-body-bytes)"
+        await ApiError(413, message, code="request_too_large").response()(scope, receive, send)
 
 
 class _ApiKeyMiddleware:

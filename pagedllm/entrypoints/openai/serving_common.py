@@ -273,10 +273,13 @@ async def finals_or_abort(group: RequestGroup, request: Request) -> list[Request
         await asyncio.wait([collecting, watching], return_when=asyncio.FIRST_COMPLETED)
     finally:
         watching.cancel()
-        if not collecting.done():
+        # Decided before cancelling: a task asked to cancel is not cancelled (nor done) until it runs
+        # again, and reading its result then raises InvalidStateError.
+        left_first = not collecting.done()
+        if left_first:
             collecting.cancel()
             group.abort()
-    if collecting.cancelled():
+    if left_first:
         raise ApiError(499, "the client closed the connection")
     return collecting.result()
 
