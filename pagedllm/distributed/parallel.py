@@ -64,6 +64,10 @@ def join(rank: int, world_size: int, rendezvous: Rendezvous, device: str) -> Sha
             timeout=datetime.timedelta(seconds=rendezvous.timeout_s),
         )
     except (RuntimeError, dist.DistStoreError) as error:
+        # torch counts the default group's attempts, failed ones too, and names its rendezvous keys by
+        # that count; destroying a group resets it. A failed join would otherwise leave this process
+        # looking for keys the next group's fresh ranks never write.
+        dist.distributed_c10d._world.group_count = 0
         raise RuntimeError(
             f"rank {rank} of {world_size} could not join the tensor-parallel group at {rendezvous.init_method} "
             f"within {rendezvous.timeout_s:.0f} s: {error}"
