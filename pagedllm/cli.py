@@ -97,7 +97,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    from pagedllm.distributed.group import run_node
+    from pagedllm.worker.group import run_node
 
     return run_node(EngineConfig(**option_values(EngineConfig, args)))
 

@@ -11,7 +11,6 @@ from collections.abc import Callable
 
 from pagedllm.beam_search import BeamSearchParams, BeamState
 from pagedllm.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
-from pagedllm.distributed.group import TensorParallelGroup, pool_size
 from pagedllm.kv.events import KVEventFile, KVEventSink
 from pagedllm.kv.kv_cache_manager import KVCacheManager
 from pagedllm.models.config import ModelConfig
@@ -25,6 +24,7 @@ from pagedllm.sequence import SequenceFactory, SequenceStatus
 from pagedllm.step import ModelOutput, SchedulerOutput
 from pagedllm.structured_output import StructuredOutputCompiler
 from pagedllm.worker.cache_engine import KVShape
+from pagedllm.worker.group import TensorParallelGroup, pool_size
 from pagedllm.worker.worker import StepTimer, Worker
 
 logger = logging.getLogger(__name__)

@@ -10,9 +10,9 @@ import torch
 
 from pagedllm.config import resolve_dtype
 from pagedllm.distributed import parallel
-from pagedllm.distributed.launcher import FollowerSpec
 from pagedllm.models.loader import load_model
 from pagedllm.worker.cache_engine import KVShape
+from pagedllm.worker.launcher import FollowerSpec
 from pagedllm.worker.worker import Worker
 
 

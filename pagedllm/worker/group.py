@@ -13,11 +13,11 @@ import torch
 
 from pagedllm.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from pagedllm.distributed import parallel
-from pagedllm.distributed.launcher import Followers, FollowerSpec, check_port_free, free_port, threads_per_rank
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.loader import resolve_model_folder
 from pagedllm.models.tensor_parallel import check_divisible
 from pagedllm.worker.cache_engine import KVShape
+from pagedllm.worker.launcher import Followers, FollowerSpec, check_port_free, free_port, threads_per_rank
 
 logger = logging.getLogger(__name__)
 
