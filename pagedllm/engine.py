@@ -1,8 +1,13 @@
 """The request lifecycle: add, step, abort. A step is one straight line: the scheduler says what to
-run, the worker runs it, the scheduler accounts for it, the output processor turns it into outputs."""
+run, the worker runs it, the scheduler accounts for it, the output processor turns it into outputs.
+
+A fault in a step fails the requests it belongs to, and only those: they are aborted (their blocks go
+back) and reported in a `RequestsFailedError` that carries everyone else's outputs. Each error is a
+`StageError` naming the stage that failed."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -25,16 +30,22 @@ from pagedllm.step import ModelOutput, SchedulerOutput
 from pagedllm.structured_output import StructuredOutputCompiler
 from pagedllm.worker.cache_engine import KVShape
 from pagedllm.worker.group import TensorParallelGroup, pool_size
-from pagedllm.worker.worker import StepTimer, Worker
+from pagedllm.worker.worker import StageError, StepTimer, Worker
 
 logger = logging.getLogger(__name__)
 
 PromptInput = str | list[int] | dict
 
+# Stages that failed requests' errors name, beside the worker's own (`worker.py`).
+SCHEDULING = "scheduling"
+GRAMMAR = "the grammar matcher"
+DETOKENIZATION = "detokenization"
+
 
 class RequestsFailedError(RuntimeError):
-    """Raised by `step` when processing some requests raised: those were aborted (their blocks are free),
-    every other request advanced normally, and `outputs` is what `step` would have returned for them."""
+    """Raised by `step` when some requests failed: those were aborted (their blocks are free), every other
+    request advanced normally, and `outputs` is what `step` would have returned for them. `errors` maps
+    each failed request to a `StageError` naming the stage that failed."""
 
     def __init__(self, errors: dict[str, Exception], outputs: list[RequestOutput]) -> None:
         super().__init__("; ".join(f"request {rid!r} failed: {error!r}" for rid, error in errors.items()))
@@ -114,7 +125,7 @@ class LLMEngine:
         """Validate and queue a request. A request that could never run is refused here, never left to hang.
         A prompt dict may carry `cache_salt`: requests with different salts never share cached blocks."""
         params = params or SamplingParams()
-        group = self._new_group(request_id, prompt, params, params.max_tokens)
+        group = self._new_group(request_id, prompt, params, params.max_tokens, params.num_samples)
         group.pending_forks = params.num_samples - 1
         self._queue(group)
 
@@ -145,18 +156,19 @@ class LLMEngine:
 
     def add_beam_request(self, request_id: str, prompt: PromptInput, params: BeamSearchParams) -> None:
         greedy = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos)
-        group = self._new_group(request_id, prompt, greedy, params.max_tokens)
+        group = self._new_group(request_id, prompt, greedy, params.max_tokens, params.beam_width)
         group.beam = BeamState(params, self.scheduler.eos_ids)
         self._queue(group)
 
     def _new_group(
-        self, request_id: str, prompt: PromptInput, params: SamplingParams, max_tokens: int | None
+        self, request_id: str, prompt: PromptInput, params: SamplingParams, max_tokens: int | None, num_seqs: int
     ) -> SequenceGroup:
+        """The request as its first sequence; `num_seqs` is how many it grows to (n samples, best_of, beams)."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, token_ids = self.tokenize(prompt)
         self._check_logit_bias(params)
-        seq = self.sequences.new(request_id, token_ids, params, self._check_fits(token_ids, max_tokens))
+        seq = self.sequences.new(request_id, token_ids, params, self._check_fits(token_ids, max_tokens, num_seqs))
         seq.cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if params.structured_outputs is not None:
             seq.grammar = self.structured_outputs.matcher(params.structured_outputs)
@@ -172,7 +184,7 @@ class LLMEngine:
         self.output_processor.add(group)
         self.scheduler.add(group)
 
-    def _check_fits(self, token_ids: list[int], max_tokens: int | None) -> int:
+    def _check_fits(self, token_ids: list[int], max_tokens: int | None, num_seqs: int) -> int:
         if not token_ids:
             raise ValueError("prompt is empty")
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
@@ -190,7 +202,7 @@ class LLMEngine:
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) = {len(token_ids) + max_tokens} "
                 f"exceeds max_model_len ({self.max_model_len})"
             )
-        self.scheduler.check_fits(len(token_ids) + max_tokens)
+        self.scheduler.check_fits(len(token_ids), len(token_ids) + max_tokens, num_seqs)
         return max_tokens
 
     def abort_request(self, request_id: str) -> None:
@@ -214,28 +226,57 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once on the flat batch, account for it, and report every request
-        that moved."""
+        that moved. Raises `RequestsFailedError` when some requests failed (see the class)."""
         timer = StepTimer(self._step_seconds)
         scheduler_output = self.scheduler.schedule()
         timer.lap("schedule")
         if scheduler_output.is_empty:
             if self.scheduler.has_unfinished():
-                raise RuntimeError("scheduler could not schedule any work although requests are waiting")
+                self._fail_unrunnable(scheduler_output)
             return []
-        model_output = self._execute(scheduler_output, timer)
-        update = self.scheduler.update(scheduler_output, model_output)
+        ran, model_output, failed = self._execute(scheduler_output, timer)
+        update, grammar_failed = self.scheduler.update(ran, model_output)
+        failed |= {rid: StageError(GRAMMAR, error) for rid, error in grammar_failed.items()}
         processed = self.output_processor.process(update)
-        self._retire(processed)
+        failed |= {rid: StageError(DETOKENIZATION, error) for rid, error in processed.failed.items()}
+        self._retire(processed, failed)
         timer.lap("update")
         self._num_steps += 1
         self._notify()
-        if processed.failed:
-            raise RequestsFailedError(processed.failed, processed.outputs)
+        if failed:
+            raise RequestsFailedError(failed, processed.outputs)
         return processed.outputs
 
-    def _execute(self, scheduler_output: SchedulerOutput, timer: StepTimer) -> ModelOutput:
-        if self._group.shard is None:
-            return self.worker.execute(scheduler_output, timer)
+    def _fail_unrunnable(self, scheduler_output: SchedulerOutput) -> None:
+        """A schedule that moved nothing while requests wait names the one that can never run: fail it,
+        rather than let it, and everyone queued behind it, wait forever."""
+        group = self.scheduler.unrunnable(scheduler_output)
+        if group is None:
+            raise RuntimeError("scheduler could not schedule any work although requests are waiting")
+        error = RuntimeError(
+            f"its {len(group.live_seqs())} sequence(s) of up to {max(seq.num_tokens for seq in group.seqs)} "
+            f"tokens cannot run in the whole KV pool of {self.scheduler.kv.num_blocks} blocks"
+        )
+        self.abort_request(group.request_id)
+        raise RequestsFailedError({group.request_id: StageError(SCHEDULING, error)}, [])
+
+    def _execute(
+        self, scheduler_output: SchedulerOutput, timer: StepTimer
+    ) -> tuple[SchedulerOutput, ModelOutput, dict[str, Exception]]:
+        """The worker's step, and the part of it that ran: all of it, or without the requests that failed."""
+        if self._group.shard is not None:
+            return scheduler_output, self._execute_group(scheduler_output, timer), {}
+        try:
+            return scheduler_output, self.worker.execute(scheduler_output, timer), {}
+        except StageError as error:
+            logger.exception("a step failed: %s", error)
+            if error.blocks_moved:
+                return self._isolate(scheduler_output, error, timer)
+            # The blocks the step moves may hold anything now: every request they belong to fails.
+            failed = dict.fromkeys(self.scheduler.requests_moved(scheduler_output), error)
+            return SchedulerOutput(), ModelOutput(), failed
+
+    def _execute_group(self, scheduler_output: SchedulerOutput, timer: StepTimer) -> ModelOutput:
         if self._group.broken:
             raise EngineDeadError("a tensor-parallel rank failed earlier; this engine cannot run again")
         try:
@@ -244,14 +285,41 @@ class LLMEngine:
             self._group.broken = True
             raise EngineDeadError(f"a tensor-parallel step failed, the ranks are out of step: {error}") from error
 
-    def _retire(self, processed: ProcessedStep) -> None:
+    def _isolate(
+        self, scheduler_output: SchedulerOutput, error: StageError, timer: StepTimer
+    ) -> tuple[SchedulerOutput, ModelOutput, dict[str, Exception]]:
+        """The step's forward pass or sampling raised after its block moves: run each request alone (without
+        the moves, which are done), so that only the requests whose own run fails are failed. Nothing has
+        advanced yet, so a request run again computes what it would have; this costs a forward pass per
+        request, on this failure path only. If every request fails alone, the fault is nobody's own: all
+        fail, and later steps go on (failing in turn if the fault stays)."""
+        parts = _parts_by_request(scheduler_output)
+        if len(parts) == 1:
+            return SchedulerOutput(), ModelOutput(), dict.fromkeys(parts, error)
+        logger.warning("running the failed step's %d requests one at a time", len(parts))
+        ran, output, failed = SchedulerOutput(), ModelOutput(), {}
+        for request_id, part in parts.items():
+            try:
+                part_output = self.worker.execute(part, timer)
+            except StageError as part_error:
+                failed[request_id] = part_error
+                continue
+            ran.scheduled += part.scheduled
+            ran.samples += part.samples
+            output.rows += part_output.rows
+            output.prompt_logprobs += part_output.prompt_logprobs
+        if len(failed) == len(parts):
+            logger.error("every request of the failed step failed alone too: the fault is not one request's")
+        return ran, output, failed
+
+    def _retire(self, processed: ProcessedStep, failed: dict[str, Exception]) -> None:
         """Free what stop strings finished, drop finished requests, abort the ones that failed."""
         for seq in processed.stopped:
             self.scheduler.finish(seq, seq.status)
         for output in processed.outputs:
             if output.finished:
                 self.scheduler.remove(self.requests.pop(output.request_id))
-        for request_id in processed.failed:
+        for request_id in failed:
             self.abort_request(request_id)
 
     def shutdown(self) -> None:
@@ -286,6 +354,20 @@ class LLMEngine:
     def _notify(self) -> None:
         for observer in self._observers:
             observer()
+
+
+def _parts_by_request(out: SchedulerOutput) -> dict[str, SchedulerOutput]:
+    """The step split by request, in scheduled order, without its block moves. A sample row's logits row
+    is renumbered to count the completing sequences of its own part."""
+    parts: dict[str, SchedulerOutput] = {}
+    for item in out.scheduled:
+        parts.setdefault(item.seq.request_id, SchedulerOutput()).scheduled.append(item)
+    for sample in out.samples:
+        parts[sample.seq.request_id].samples.append(sample)
+    for part in parts.values():
+        rows = {row: index for index, row in enumerate(sorted({sample.logits_row for sample in part.samples}))}
+        part.samples = [dataclasses.replace(sample, logits_row=rows[sample.logits_row]) for sample in part.samples]
+    return parts
 
 
 def _kv_window(loaded: LoadedModel) -> int:

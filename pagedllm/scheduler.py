@@ -24,7 +24,7 @@ from pagedllm.outputs import EngineStats, KVSnapshot, SequenceKV
 from pagedllm.request import SequenceGroup
 from pagedllm.sequence import Sequence, SequenceFactory, SequenceStatus
 from pagedllm.step import ModelOutput, NewToken, RowOutput, SampleRow, ScheduledSeq, SchedulerOutput, StepUpdate
-from pagedllm.stopping import grammar_stop, length_stop, token_stop
+from pagedllm.stopping import StopDecision, grammar_stop, length_stop, token_stop
 
 
 class Scheduler:
@@ -52,11 +52,21 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swap_preemptions = 0
 
-    def check_fits(self, num_tokens: int) -> None:
-        """Refuse a request that could never run: it needs more blocks than the whole pool."""
-        need = self.kv.blocks_to_hold(num_tokens, self.max_num_batched_tokens)
+    def check_fits(self, num_prompt_tokens: int, num_tokens: int, num_seqs: int) -> None:
+        """Refuse a request that could never run: its `num_seqs` sequences (n samples, best_of or beams, each
+        up to `num_tokens` long) need more sequence slots than max_num_seqs, or more blocks than the whole
+        pool even sharing the prompt's full blocks (a preempted request runs again only once it fits)."""
+        if num_seqs > self.max_num_seqs:
+            raise ValueError(
+                f"request runs {num_seqs} sequences (n, best_of or beam width) but max_num_seqs is {self.max_num_seqs}"
+            )
+        per_seq = self.kv.blocks_to_hold(num_tokens, self.max_num_batched_tokens)
+        # Forks share the prompt's full blocks; where layers slide, those go, so no sharing is counted on.
+        shared = 0 if self.kv.sliding_window else min(num_prompt_tokens // self.kv.block_size, per_seq)
+        need = shared + num_seqs * (per_seq - shared)
         if need > self.kv.num_blocks:
-            raise ValueError(f"request needs {need} KV blocks but the whole pool has {self.kv.num_blocks}")
+            sequences = "" if num_seqs == 1 else f" for its {num_seqs} sequences (n, best_of or beam width)"
+            raise ValueError(f"request needs {need} KV blocks{sequences} but the whole pool has {self.kv.num_blocks}")
 
     def add(self, group: SequenceGroup) -> None:
         self.groups[group.request_id] = group
@@ -216,9 +226,11 @@ class Scheduler:
 
     # ---- after the step ---------------------------------------------------------------------
 
-    def update(self, out: SchedulerOutput, model_output: ModelOutput) -> StepUpdate:
+    def update(self, out: SchedulerOutput, model_output: ModelOutput) -> tuple[StepUpdate, dict[str, Exception]]:
         """Account for the step: computed tokens and their cache entries, forks, the picked tokens,
-        beams, and the stops that tokens and lengths decide (finished sequences free their blocks)."""
+        beams, and the stops that tokens and lengths decide (finished sequences free their blocks).
+        A request whose grammar matcher raises on its token is left out of the update and returned with
+        the error, for the caller to abort: its matchers' state is unknown."""
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.kv.register_computed(item.seq.seq_id, item.seq.token_ids, item.seq.num_computed_tokens)
@@ -232,17 +244,29 @@ class Scheduler:
             if sample.forked_from is not None:
                 self._join(sample.forked_from, sample.seq)
         beams: dict[str, SequenceGroup] = {}
+        failed: dict[str, Exception] = {}
         for sample, row in zip(out.samples, model_output.rows, strict=True):
             if sample.num_beam_candidates:
                 group = self._group_of(sample.seq)
                 assert group.beam is not None and row.candidates is not None
                 group.beam.rows[sample.seq.seq_id] = row.candidates
                 beams[group.request_id] = group
-            else:
-                update.new_tokens.append(self._append(sample.seq, row))
+                continue
+            request_id = sample.seq.request_id
+            if request_id in failed:
+                continue
+            try:
+                grammar = grammar_stop(sample.seq, row.token_id)  # the matcher takes the token
+            except Exception as error:
+                failed[request_id] = error
+                continue
+            update.new_tokens.append(self._append(sample.seq, row, grammar))
         for group in beams.values():
             self._advance_beams(group)
-        return update
+        if failed:
+            update.new_tokens = [new for new in update.new_tokens if new.seq.request_id not in failed]
+            update.groups = [group for group in update.groups if group.request_id not in failed]
+        return update, failed
 
     def _join(self, parent: Sequence, child: Sequence) -> None:
         """The child enters its parent's request sharing every block (the first write copies)."""
@@ -252,7 +276,8 @@ class Scheduler:
         group.seqs.append(child)
         group.pending_forks = 0
 
-    def _append(self, seq: Sequence, row: RowOutput) -> NewToken:
+    def _append(self, seq: Sequence, row: RowOutput, grammar: StopDecision | None) -> NewToken:
+        """Append the picked token; `grammar` is the stop the sequence's grammar decided on it."""
         seq.token_ids.append(row.token_id)
         if row.logprobs is not None:
             seq.cumulative_logprob += row.logprobs[row.token_id].logprob
@@ -260,11 +285,7 @@ class Scheduler:
                 seq.logprobs.append(row.logprobs)
         elif row.logprob is not None:
             seq.cumulative_logprob += row.logprob
-        stop = (
-            grammar_stop(seq, row.token_id)
-            or token_stop(seq, row.token_id, self.eos_ids)
-            or length_stop(seq, self.max_model_len)
-        )
+        stop = grammar or token_stop(seq, row.token_id, self.eos_ids) or length_stop(seq, self.max_model_len)
         if stop is not None:
             seq.stop_reason = stop.reason
             self.finish(seq, stop.status)
@@ -297,6 +318,24 @@ class Scheduler:
             for seq in live:
                 state.finished.append(FinishedBeam(list(seq.token_ids), seq.cumulative_logprob, False))
                 self.finish(seq, SequenceStatus.FINISHED_LENGTH)
+
+    def requests_moved(self, out: SchedulerOutput) -> list[str]:
+        """The requests whose KV the step's block moves and forward pass write: the scheduled ones and the
+        ones it swapped out."""
+        scheduled = [item.seq.request_id for item in out.scheduled]
+        swapped = [group.request_id for group in out.preempted if group in self.swapped]
+        return list(dict.fromkeys(scheduled + swapped))
+
+    def unrunnable(self, out: SchedulerOutput) -> SequenceGroup | None:
+        """After a schedule that moved nothing although requests wait: the request at the head of the queue,
+        which can never run. Nothing else holds blocks it could wait for (nothing runs), so it is either
+        the one that just preempted itself, not fitting its next step in the whole pool, or the one that
+        could not come back into an empty pool; every other request waits behind it."""
+        if not out.is_empty or self.running:
+            return None
+        if out.preempted:
+            return out.preempted[-1]  # what it preempted before itself was newer and is not to blame
+        return self.swapped[0] if self.swapped else self.waiting[0]
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         seq.status = status

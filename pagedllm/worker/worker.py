@@ -3,12 +3,18 @@
 It moves and copies blocks, runs the model once over the step's flat batch, and picks a token (or a
 beam's candidates) for every sample row. Every path from logits to tokens and log-probabilities goes
 through the sampler here; nothing above the worker touches logits.
+
+A stage that raises is reported as a `StageError` naming it. Once the block moves are done, the step's
+tokens may be executed again, in parts and without the moves: nothing the worker did changes what they
+compute (a forward pass only writes the slots of the tokens it computes, each time the same values).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +28,37 @@ from pagedllm.step import ModelOutput, RowOutput, SampleRow, SchedulerOutput
 from pagedllm.worker.cache_engine import CacheEngine, KVShape
 from pagedllm.worker.model_runner import FlatBatch, ModelRunner, PromptRows, build_batch
 from pagedllm.worker.sampler import Sampler, SamplingRow, token_logprobs, top_logprobs
+
+# The stages of `Worker.execute`, as errors name them.
+PREPARING = "preparing the batch"
+MOVING_BLOCKS = "moving KV blocks (swap, copy-on-write)"
+FORWARD = "the forward pass"
+SAMPLING = "sampling"
+SCORING_PROMPT = "scoring the prompt"
+
+
+class StageError(RuntimeError):
+    """A stage of a step raised (the original error is the cause); the message names the stage."""
+
+    def __init__(self, stage: str, error: Exception) -> None:
+        super().__init__(f"{stage} failed: {error!r}")
+        self.stage = stage
+        self.__cause__ = error
+
+    @property
+    def blocks_moved(self) -> bool:
+        """Whether the step's block moves were done before this stage failed: if so, its tokens may run
+        again without them; if not, the KV of the blocks they move is unknown."""
+        return self.stage not in (PREPARING, MOVING_BLOCKS)
+
+
+@contextmanager
+def stage(name: str) -> Iterator[None]:
+    """Report what the block raises as a `StageError` of stage `name`."""
+    try:
+        yield
+    except Exception as error:
+        raise StageError(name, error) from error
 
 
 @dataclass(slots=True)
@@ -77,21 +114,26 @@ class Worker:
 
     def execute(self, out: SchedulerOutput, timer: StepTimer) -> ModelOutput:
         """Rank 0's step: the inputs go to the other ranks first, then every rank runs the same model
-        call (their collectives meet), and rank 0 alone samples."""
-        batch = build_batch(out.scheduled, self.block_size) if out.scheduled else None
+        call (their collectives meet), and rank 0 alone samples. A stage that raises raises `StageError`."""
+        with stage(PREPARING):
+            batch = build_batch(out.scheduled, self.block_size) if out.scheduled else None
         inputs = StepInputs(out.swap_out, out.copies, out.swap_in, batch)
         if self.leads_group:
             parallel.broadcast_from_first(inputs.for_other_ranks())
         timer.lap("prepare")
-        self._move_blocks(inputs)
+        with stage(MOVING_BLOCKS):
+            self._move_blocks(inputs)
         timer.lap("swap/copy")
         if batch is None:
             return ModelOutput()
-        logits, prompt_hidden = self.runner.run(batch)
+        with stage(FORWARD):
+            logits, prompt_hidden = self.runner.run(batch)
         timer.lap("forward")
         with torch.inference_mode():
-            rows = self._pick(logits, out.samples)
-            prompt = [] if batch.prompt is None else self._prompt_logprobs(prompt_hidden, batch.prompt)
+            with stage(SAMPLING):
+                rows = self._pick(logits, out.samples)
+            with stage(SCORING_PROMPT):
+                prompt = [] if batch.prompt is None else self._prompt_logprobs(prompt_hidden, batch.prompt)
         timer.lap("sample")
         return ModelOutput(rows, prompt)
 
