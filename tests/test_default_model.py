@@ -54,8 +54,8 @@ def test_default_model_greedy_matches_transformers(smollm_case, block_size, num_
     outputs = llm.generate(prompts, params, use_tqdm=False)
     result = compare_greedy(outputs, refs)
     print(f"{result.exact}/{len(refs)} sequences matched exactly, {result.near_ties} near-ties")
-    assert not result.failures, result.failures
-    assert result.exact >= len(refs) // 2
+    # All 8 agree on this machine; one near-tie is left room for, as another CPU's float32 sums may differ.
+    result.require(len(refs) - 1)
     # 8 sequences of up to 31 tokens need up to 64 blocks of 4: a pool of 36 must preempt.
     assert (llm.stats().num_preemptions > 0) == (num_kv_blocks == 36)
 

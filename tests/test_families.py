@@ -119,9 +119,9 @@ def generate(llm: LLM, prompts):
 
 def assert_matches(outputs, refs) -> None:
     result = compare_greedy(outputs, refs)
-    assert not result.failures, result.failures
-    # Near-ties are allowed by the rule, but these models' logits are wide: expect exact tokens.
-    assert result.exact >= len(refs) - 1, f"only {result.exact}/{len(refs)} exact"
+    print(f"{result.exact}/{len(refs)} sequences matched exactly, {result.near_ties} near-ties")
+    # The rule allows near-ties, but float32 on both sides and these models' wide logits leave none.
+    result.require(len(refs))
 
 
 def test_batch_and_prefix_cache_hits_match_transformers(case):
@@ -355,5 +355,5 @@ def test_sliding_window_request_of_10x_the_window_holds_a_bounded_number_of_bloc
         held.append(engine.stats().kv_blocks_used)
     assert len(prompt) + max_tokens >= 10 * 10
     assert max(held) <= -(-10 // 4) + 1
-    assert not compare_greedy(outputs, [ref]).failures
+    compare_greedy(outputs, [ref]).require(1)
     assert engine.stats().kv_blocks_used == 0

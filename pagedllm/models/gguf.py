@@ -2,7 +2,9 @@
 
 The folder (float32 `model.safetensors`, `config.json`, `generation_config.json` and tokenizer files)
 is cached under `<cache>/gguf/<key>/`, where `<cache>` is `$PAGEDLLM_CACHE_DIR` or `~/.cache/pagedllm`
-and `<key>` hashes the GGUF file's absolute path, size and mtime, so a changed file is reconverted.
+and `<key>` hashes the GGUF file's absolute path, size and mtime, so a changed file is reconverted. It is
+a crash-safe entry of `native.cached_folder`: published complete or not at all, checked against its
+manifest on every start, converted again when damaged.
 
 What the file means comes from transformers' GGUF support, not from tables of our own:
 
@@ -26,12 +28,9 @@ factors), the head size, sliding windows, Gemma's attention scale, MoE widths, e
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
-import shutil
 import struct
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -42,6 +41,8 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 
+from pagedllm.native import MANIFEST, cache_root, cached_folder
+
 if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -49,8 +50,9 @@ if TYPE_CHECKING:
 # Part of the cache key: bump it whenever the converted folder's contents change, so stale
 # conversions made by an older pagedllm are not reused.
 CONVERTER_VERSION = 2
-# Written last, into the temporary folder, so a folder without it was never completed.
-COMPLETE_MARKER = "pagedllm_conversion.json"
+# Written last into a converted folder (it lists every file, and records the conversion): a folder
+# without it, or that does not match it, is converted again.
+COMPLETE_MARKER = MANIFEST
 
 StrPath = str | os.PathLike[str]
 
@@ -116,12 +118,6 @@ _TURN_END_TOKENS = (
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
-def default_cache_dir() -> Path:
-    """pagedllm's cache root: `$PAGEDLLM_CACHE_DIR` if set, else `~/.cache/pagedllm`."""
-    configured = os.environ.get("PAGEDLLM_CACHE_DIR")
-    return Path(configured) if configured else Path.home() / ".cache" / "pagedllm"
-
-
 def conversion_key(gguf_path: Path) -> str:
     """Short hash of the file's identity; cheap (no file contents are read)."""
     path = gguf_path.resolve()
@@ -133,33 +129,12 @@ def conversion_key(gguf_path: Path) -> str:
 def gguf_to_hf_folder(gguf_path: StrPath, cache_dir: StrPath | None = None) -> Path:
     """Hugging Face model folder for `gguf_path`, converting it on the first call only."""
     gguf_path = Path(gguf_path).resolve()
-    root = (Path(cache_dir) if cache_dir is not None else default_cache_dir()) / "gguf"
-    folder = root / conversion_key(gguf_path)
-    if (folder / COMPLETE_MARKER).is_file():
-        return folder
-
-    root.mkdir(parents=True, exist_ok=True)
-    # Converted in a sibling temporary folder and renamed into place (atomic on one filesystem), so an
-    # interrupted conversion never leaves a half-written folder under the final name.
-    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=root))
-    try:
-        _convert(gguf_path, staging)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    if folder.exists() and not (folder / COMPLETE_MARKER).is_file():
-        shutil.rmtree(folder)  # not made by this converter (it would have the marker)
-    try:
-        os.rename(staging, folder)
-    except OSError:
-        # Another process finished the same conversion first and renamed its folder into place.
-        shutil.rmtree(staging, ignore_errors=True)
-        if not (folder / COMPLETE_MARKER).is_file():
-            raise
-    return folder
+    root = (Path(cache_dir) if cache_dir is not None else cache_root()) / "gguf"
+    return cached_folder(root, conversion_key(gguf_path), lambda out_dir: _convert(gguf_path, out_dir))
 
 
-def _convert(gguf_path: Path, out_dir: Path) -> None:
+def _convert(gguf_path: Path, out_dir: Path) -> dict[str, Any]:
+    """Write the folder's files into `out_dir`; what to record about the conversion in its manifest."""
     started = time.perf_counter()
     gguf = GGUFFile(gguf_path)
     family = _family(gguf)
@@ -179,14 +154,12 @@ def _convert(gguf_path: Path, out_dir: Path) -> None:
     config.save_pretrained(out_dir)
     _generation_config(config, eos_ids).save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-
-    record = {
+    return {
         "source": str(gguf_path),
         "architecture": gguf.architecture,
         "converter_version": CONVERTER_VERSION,
         "seconds": round(time.perf_counter() - started, 3),
     }
-    (out_dir / COMPLETE_MARKER).write_text(json.dumps(record, indent=2) + "\n")
 
 
 # --- reading the file ------------------------------------------------------------------------------
