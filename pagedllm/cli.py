@@ -93,7 +93,7 @@ def run_serve(args: argparse.Namespace) -> int:
     # Imported here: the web stack costs start-up time that generate and chat need not pay.
     from pagedllm.entrypoints.openai.api_server import serve
 
-    return serve(build_llm(args), ServeOptions(**option_values(ServeOptions, args)))
+    return serve(option_values(EngineConfig, args), ServeOptions(**option_values(ServeOptions, args)))
 
 
 def run_worker(args: argparse.Namespace) -> int:

@@ -1,6 +1,9 @@
 """`python tests/fault_server.py MARKER <pagedllm serve arguments>`: `pagedllm serve` whose engine decodes
 through a tokenizer that raises on text containing MARKER, as a detokenizer bug would for one request's
-tokens. It lets tests show that a failure inside `LLMEngine.step` fails only the request it belongs to."""
+tokens. It lets tests show that a failure inside `LLMEngine.step` fails only the request it belongs to.
+
+The engine runs in the server's spawned engine-core process, which imports this file again as `__mp_main__`
+with the same `sys.argv`: the faults are injected there, at import, where the engine is built."""
 
 from __future__ import annotations
 
@@ -40,7 +43,8 @@ def inject_faults(marker: str) -> None:
     LLM.__init__ = build_faulty
 
 
+if __name__ == "__mp_main__":
+    inject_faults(sys.argv[1])
 if __name__ == "__main__":
     marker, *serve_args = sys.argv[1:]
-    inject_faults(marker)
     sys.exit(main(["serve", *serve_args]))

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
+from transformers import PreTrainedTokenizerBase
 
 from pagedllm.beam_search import BeamSearchParams
 from pagedllm.config import EngineConfig
@@ -72,17 +73,7 @@ class LLM:
     def render_chat(
         self, conversation: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict] | None = None
     ) -> dict:
-        """The conversation through the chat template; `tools` (OpenAI's function definitions) go to templates
-        that show them to the model, and messages may carry `tool_calls` and tool results as transformers
-        expects them."""
-        tokenizer = self.engine.tokenizer
-        if not tokenizer.chat_template:
-            raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
-        text = tokenizer.apply_chat_template(
-            conversation, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
-        # The template already holds any BOS it wants; tokenizing must not add a second.
-        return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+        return render_chat(self.engine.tokenizer, conversation, add_generation_prompt, tools)
 
     def _add_all(self, prompts: list[PromptInput], params: Seq[SamplingParams | BeamSearchParams]) -> list[str]:
         request_ids = [str(next(self._ids)) for _ in prompts]
@@ -98,6 +89,23 @@ class LLM:
                         finished[output.request_id] = output
                         bar.update(1)
         return [finished[request_id] for request_id in request_ids]
+
+
+def render_chat(
+    tokenizer: PreTrainedTokenizerBase,
+    conversation: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    tools: list[dict] | None = None,
+) -> dict:
+    """The conversation through the chat template; `tools` (OpenAI's function definitions) go to templates that
+    show them to the model, and messages may carry `tool_calls` and tool results as transformers expects them."""
+    if not tokenizer.chat_template:
+        raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
+    text = tokenizer.apply_chat_template(
+        conversation, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    # The template already holds any BOS it wants; tokenizing must not add a second.
+    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
 
 def _as_prompt_list(prompts: PromptInput | Seq[PromptInput]) -> list[PromptInput]:

@@ -28,6 +28,7 @@ from pagedllm.step import ModelOutput, RowOutput, SampleRow, SchedulerOutput
 from pagedllm.worker.cache_engine import CacheEngine, KVShape
 from pagedllm.worker.model_runner import FlatBatch, ModelRunner, PromptRows, build_batch
 from pagedllm.worker.sampler import Sampler, SamplingRow, token_logprobs, top_logprobs
+from pagedllm.worker.threads import ThreadChooser
 
 # The stages of `Worker.execute`, as errors name them.
 PREPARING = "preparing the batch"
@@ -111,6 +112,8 @@ class Worker:
         self.runner = ModelRunner(model, self.cache.kv_caches, shape.block_size)
         self.sampler = Sampler()
         self.eos_ids = eos_ids
+        # On the CPU, each step runs on as many of torch's threads as measurement says pays for its size.
+        self.threads = ThreadChooser(torch.get_num_threads() if device == "cpu" else 1)
 
     def execute(self, out: SchedulerOutput, timer: StepTimer) -> ModelOutput:
         """Rank 0's step: the inputs go to the other ranks first, then every rank runs the same model
@@ -126,15 +129,16 @@ class Worker:
         timer.lap("swap/copy")
         if batch is None:
             return ModelOutput()
-        with stage(FORWARD):
-            logits, prompt_hidden = self.runner.run(batch)
-        timer.lap("forward")
-        with torch.inference_mode():
-            with stage(SAMPLING):
-                rows = self._pick(logits, out.samples)
-            with stage(SCORING_PROMPT):
-                prompt = [] if batch.prompt is None else self._prompt_logprobs(prompt_hidden, batch.prompt)
-        timer.lap("sample")
+        with self.threads.step(len(batch.input_ids)):
+            with stage(FORWARD):
+                logits, prompt_hidden = self.runner.run(batch)
+            timer.lap("forward")
+            with torch.inference_mode():
+                with stage(SAMPLING):
+                    rows = self._pick(logits, out.samples)
+                with stage(SCORING_PROMPT):
+                    prompt = [] if batch.prompt is None else self._prompt_logprobs(prompt_hidden, batch.prompt)
+            timer.lap("sample")
         return ModelOutput(rows, prompt)
 
     def follow(self) -> None:

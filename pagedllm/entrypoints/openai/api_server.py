@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import secrets
 import signal
 import sys
@@ -19,7 +18,6 @@ from dataclasses import replace
 from functools import partial
 from typing import Any
 
-import torch
 import uvicorn
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -29,7 +27,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedllm.config import ServeOptions
-from pagedllm.entrypoints.llm import LLM
+from pagedllm.entrypoints.llm import render_chat
 from pagedllm.entrypoints.openai import protocol
 from pagedllm.entrypoints.openai.async_engine import AsyncLLMEngine
 from pagedllm.entrypoints.openai.kv_page import mount_kv_page
@@ -42,14 +40,14 @@ _OPEN_PATHS = frozenset({"/health", "/metrics"})  # open even with an API key: p
 _SHUTDOWN_BACKSTOP_S = 3.0  # after the grace period and the aborts, uvicorn cancels whatever still runs
 
 
-def serve(llm: LLM, options: ServeOptions) -> int:
-    """Serve until SIGTERM or SIGINT; then finish or abort in-flight requests and return 0. If the engine
-    cannot continue (a tensor-parallel rank died), fail its requests, stop, and return 1."""
-    _leave_a_core_to_http()
-    options = replace(options, served_model_names=options.model_names(llm.engine.config.model))
-    engine = AsyncLLMEngine(llm.engine, ServerMetrics())
-    app = build_app(engine, llm.render_chat, options)
-    mount_kv_page(app, llm.engine)  # after build_app: its query-key middleware must run before the API-key check
+def serve(engine_options: dict[str, Any], options: ServeOptions) -> int:
+    """Start the engine core (its own process, see `engine_core.py`) and serve until SIGTERM or SIGINT; then
+    finish or abort in-flight requests and return 0. If the engine cannot continue (a tensor-parallel rank
+    died, or the core process did), fail its requests, stop, and return 1."""
+    options = replace(options, served_model_names=options.model_names(engine_options.get("model")))
+    engine = AsyncLLMEngine(engine_options, ServerMetrics())
+    app = build_app(engine, partial(render_chat, engine.tokenizer), options)
+    mount_kv_page(app, engine.kv_monitor)  # after build_app: its query-key middleware runs before the key check
     config = uvicorn.Config(
         app,
         host=options.host,
@@ -61,16 +59,7 @@ def serve(llm: LLM, options: ServeOptions) -> int:
     server = _Server(config, on_exit=partial(engine.drain, options.shutdown_grace_s), banner=banner)
     engine.on_fatal = server.fail
     server.run()
-    llm.engine.shutdown()
     return server.exit_code
-
-
-def _leave_a_core_to_http() -> None:
-    """Torch's threads spin between ops; with one per core, the event loop thread preempts one of them and
-    each parallel op then waits a scheduler slice for it (docs/PERFORMANCE.md has the cost). As vLLM's CPU
-    backend does, leave a core to the HTTP side, unless the user chose the count."""
-    if "OMP_NUM_THREADS" not in os.environ and torch.get_num_threads() > 1:
-        torch.set_num_threads(torch.get_num_threads() - 1)
 
 
 class _Server(uvicorn.Server):
@@ -108,7 +97,7 @@ class _Server(uvicorn.Server):
 def build_app(engine: AsyncLLMEngine, render_chat: RenderChat, options: ServeOptions) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        engine.start()
+        engine.start()  # the core is running already: the loop starts taking its messages
         yield
         await engine.shutdown()
 

@@ -1,9 +1,9 @@
-"""`AsyncLLMEngine`: an LLMEngine stepped by its own thread beside an asyncio event loop.
+"""`AsyncLLMEngine`: the server's handle on the engine core (`engine_core.py`), a process of its own.
 
-LLMEngine is not thread-safe, so every call into it happens on the engine thread: the event loop submits
-commands (add, abort, stop) that the thread drains before each step, and the thread hands each request's
-outputs back to the loop (call_soon_threadsafe) into the queue of the API call that made the request.
-The thread steps while work exists and sleeps on an event otherwise.
+The event loop sends commands (add, abort, compile, stop) through a sender thread, so a large prompt never
+blocks it on a full pipe; a reader thread hands every message from the core to the loop
+(call_soon_threadsafe), where each request's outputs go into the queue of the API call that made it, and
+the request's timings into the metrics. Everything here but those two threads runs on the event loop.
 """
 
 from __future__ import annotations
@@ -11,24 +11,40 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import multiprocessing
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
-from functools import partial
+from typing import Any
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pagedllm.beam_search import BeamSearchParams
-from pagedllm.engine import EngineDeadError, LLMEngine, PromptInput, RequestsFailedError
+from pagedllm.engine import PromptInput
+from pagedllm.entrypoints.openai.engine_core import (
+    Abort,
+    Added,
+    AddRequests,
+    Compile,
+    Compiled,
+    Fatal,
+    Ready,
+    Refusal,
+    Stats,
+    StepOutputs,
+    Stop,
+    run_engine_core,
+)
+from pagedllm.entrypoints.openai.kv_page import KVMonitor, KVUpdate
 from pagedllm.entrypoints.openai.metrics import RequestTiming, ServerMetrics
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.sequence import SequenceStatus
 
 logger = logging.getLogger(__name__)
 
 _JOIN_TIMEOUT_S = 5.0
-_STATS_INTERVAL_S = 0.05
 
 Item = RequestOutput | BaseException
 EngineParams = SamplingParams | BeamSearchParams
@@ -87,7 +103,7 @@ class RequestGroup:
 
 @dataclass(slots=True)
 class _Live:
-    """Engine-thread bookkeeping of one request that a client is waiting for."""
+    """The bookkeeping of one request that a client is waiting for."""
 
     group: RequestGroup
     index: int
@@ -99,57 +115,98 @@ class _Live:
     last: RequestOutput | None = None
 
 
+class EngineStartError(RuntimeError):
+    """The engine core exited before it was ready."""
+
+
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics) -> None:
-        self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.max_model_len
+    def __init__(self, engine_options: dict[str, Any], metrics: ServerMetrics) -> None:
+        """Start the engine core and wait until it is ready. Raises what building the engine raises
+        (ValueError for bad options, FileNotFoundError for a missing model), or EngineStartError."""
         self.metrics = metrics
-        self._engine = engine  # touched by the engine thread only, but for the thread-safe compile_constraint
-        self._live: dict[str, _Live] = {}  # engine thread only
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._wake = threading.Event()
+        self.kv_monitor = KVMonitor(self._send)
+        # Called on the event loop when the engine cannot continue: the server exits non-zero so that a
+        # supervisor restarts it.
+        self.on_fatal: Callable[[], None] = lambda: None
+        self._live: dict[str, _Live] = {}
+        self._pending: dict[int, asyncio.Future[Refusal | None]] = {}
         self._ids = itertools.count()
+        self._keys = itertools.count()
         self._accepting = True
         self._stopping = False
-        self._stats_published = 0.0
+        self._dead = False
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        # Called on the event loop when the engine cannot continue (a tensor-parallel rank died): the server
-        # exits non-zero so that a supervisor restarts it.
-        self.on_fatal: Callable[[], None] = lambda: None
+        self._outbox: queue.SimpleQueue[object] = queue.SimpleQueue()
+        context = multiprocessing.get_context("spawn")  # fork would copy this process's threads' locks
+        self._conn, child_conn = context.Pipe()
+        self._process = context.Process(
+            target=run_engine_core,
+            args=(child_conn, engine_options, logging.getLogger().getEffectiveLevel()),
+            name="pagedllm-engine-core",
+            daemon=True,
+        )
+        self._process.start()
+        child_conn.close()  # the core's end: once the core exits, reads here see EOF
+        ready = self._await_ready()
+        self.max_model_len = ready.max_model_len
+        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(ready.model_folder)
+        logger.info("engine core ready in %.2f s (pid %d)", ready.startup_seconds, self._process.pid)
+
+    def _await_ready(self) -> Ready:
+        """Read the core's first messages on this thread (the loop does not run yet) until `Ready`."""
+        while True:
+            try:
+                message = self._conn.recv()
+            except EOFError:
+                self._process.join()
+                raise EngineStartError(f"the engine core exited with code {self._process.exitcode}") from None
+            if isinstance(message, Ready):
+                return message
+            if isinstance(message, Fatal):
+                self._process.join(_JOIN_TIMEOUT_S)
+                raise message.refusal.error()
+            self._on_message(message)
 
     # ---- event-loop side ------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the engine thread; call from the event loop that will consume the outputs."""
+        """Start the threads that talk to the core; call from the event loop that will consume the outputs."""
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._read, name="pagedllm-core-reader", daemon=True).start()
+        threading.Thread(target=self._write, name="pagedllm-core-writer", daemon=True).start()
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return not self._dead and self._process.is_alive()
 
     async def compile_constraint(self, params: EngineParams) -> None:
-        """Compile the request's structured-output constraint (if any) on a thread of its own, so that a slow
-        grammar never stalls the engine thread and one that does not compile is refused (ValueError) before
-        the request is added."""
-        if isinstance(params, SamplingParams):
-            await asyncio.to_thread(self._engine.compile_constraint, params)
+        """Compile the request's structured-output constraint (if any) on the core's compile thread, so that a
+        slow grammar never stalls its steps and one that does not compile is refused (ValueError) before the
+        request is added."""
+        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
+            key = next(self._keys)
+            self._raise(await self._ask(key, Compile(key, params)))
 
     async def add_requests(self, prompts: list[PromptInput], params: EngineParams) -> RequestGroup:
         """Queue one request per prompt, all or none. Raises what `LLMEngine.add_request` raises (ValueError for
         a request that could never run), or EngineStoppedError while shutting down."""
         if not (self._accepting and self.is_running):
             raise EngineStoppedError("the server is shutting down and takes no new requests")
-        group = RequestGroup([str(next(self._ids)) for _ in prompts], self._submit_abort)
-        accepted = self._loop.create_future()
-        self._submit(partial(self._add, group, prompts, params, time.perf_counter(), accepted))
+        group = RequestGroup([str(next(self._ids)) for _ in prompts], self._abort)
+        n = params.n if isinstance(params, SamplingParams) else params.beam_width
+        arrival = time.perf_counter()
+        for index, request_id in enumerate(group.request_ids):
+            self._live[request_id] = _Live(group, index, n, arrival)
+        key = next(self._keys)
         try:
-            await accepted
+            refusal = await self._ask(key, AddRequests(key, group.request_ids, prompts, params))
         except asyncio.CancelledError:
-            group.abort()  # the add may still land: this abort is queued behind it
+            group.abort()  # the add may still land: this abort follows it down the pipe
             raise
+        if refusal is not None:
+            for request_id in group.request_ids:
+                self._live.pop(request_id, None)
+            self._raise(refusal)
         return group
 
     def drain(self, grace_seconds: float) -> None:
@@ -157,169 +214,145 @@ class AsyncLLMEngine:
         clients get a last output with finish reason "abort"). Safe to call from a signal handler."""
         self._accepting = False
         if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._loop.call_later, grace_seconds, self._submit, self._abort_all)
+            self._loop.call_soon_threadsafe(self._loop.call_later, grace_seconds, self._abort_all)
 
     async def shutdown(self) -> None:
-        """Abort everything still running and stop the engine thread."""
+        """Abort everything still running and stop the engine core."""
         self._accepting = False
-        if self._thread is None:
-            return
-        self._submit(self._stop)
-        await asyncio.to_thread(self._thread.join, _JOIN_TIMEOUT_S)
-
-    def _submit(self, command: Callable[[], None]) -> None:
-        self._commands.put(command)
-        self._wake.set()
-
-    def _submit_abort(self, request_ids: list[str]) -> None:
-        self._submit(partial(self._abort, request_ids))
-
-    def _to_loop(self, callback: Callable[..., None], *args: object) -> None:
-        self._loop.call_soon_threadsafe(callback, *args)
-
-    # ---- engine thread --------------------------------------------------------------------
-
-    def _run(self) -> None:
-        try:
-            while not self._stopping:
-                self._serve_once()
-        except Exception:
-            logger.exception("the engine thread crashed")
-        finally:
-            self._accepting = False
-            self._abort_all()
-            self._publish_stats(force=True)
-
-    def _serve_once(self) -> None:
-        # Cleared before draining: a command submitted after the drain sets it again, so wait() cannot miss it.
-        self._wake.clear()
-        self._drain_commands()
-        busy = self._engine.has_unfinished_requests() and not self._stopping
-        if busy:
-            self._step()
-        self._publish_stats(force=not busy)
-        if not busy and not self._stopping:
-            self._wake.wait()
-            self._stats_published = 0.0  # publish the first step after a pause at once
-
-    def _publish_stats(self, force: bool) -> None:
-        """At most every _STATS_INTERVAL_S while busy (stats() walks every block table), and always before
-        sleeping, so an idle server's gauges are exact."""
-        now = time.perf_counter()
-        if force or now - self._stats_published >= _STATS_INTERVAL_S:
-            self.metrics.observe_engine(self._engine.stats())
-            self._stats_published = now
-
-    def _drain_commands(self) -> None:
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                command()
-            except Exception:  # one failed abort must not stop the engine serving everyone else
-                logger.exception("an engine command failed")
-
-    def _stop(self) -> None:
         self._stopping = True
+        self._abort_all()
+        self._send(Stop())
+        await asyncio.to_thread(self._process.join, _JOIN_TIMEOUT_S)
+        if self._process.is_alive():
+            logger.warning("the engine core did not stop in %.0f s; killing it", _JOIN_TIMEOUT_S)
+            self._process.kill()
+        self._outbox.put(None)
 
-    def _add(
-        self,
-        group: RequestGroup,
-        prompts: list[PromptInput],
-        params: EngineParams,
-        arrival: float,
-        accepted: asyncio.Future[None],
-    ) -> None:
+    async def _ask(self, key: int, message: object) -> Refusal | None:
+        answer = self._loop.create_future()
+        self._pending[key] = answer
+        self._send(message)
         try:
-            self._engine.add_requests(
-                [(request_id, prompt, params) for request_id, prompt in zip(group.request_ids, prompts, strict=True)]
-            )
-        except Exception as error:
-            self._to_loop(_settle, accepted, error)
+            return await answer
+        finally:
+            self._pending.pop(key, None)
+
+    def _raise(self, refusal: Refusal | None) -> None:
+        if refusal is None:
             return
-        n = params.n if isinstance(params, SamplingParams) else params.beam_width
-        for index, request_id in enumerate(group.request_ids):
-            self._live[request_id] = _Live(group, index, n, arrival)
-        self._to_loop(_settle, accepted, None)
+        error = refusal.error()
+        if isinstance(error, ValueError):
+            raise error
+        if self._stopping or self._dead:
+            raise EngineStoppedError(refusal.message)
+        raise RequestFailedError(refusal.message)
+
+    def _send(self, message: object) -> None:
+        self._outbox.put(message)
 
     def _abort(self, request_ids: list[str]) -> None:
         """Its client left: free the blocks now; nobody is listening for a last output."""
         for request_id in request_ids:
-            self._drop(request_id, "abort")
+            live = self._live.pop(request_id, None)
+            if live is not None:
+                self._end(live, "abort")
+        self._send(Abort(request_ids))
 
     def _abort_all(self) -> None:
-        for request_id in list(self._live):
-            live = self._drop(request_id, "abort")
-            self._to_loop(live.group.deliver, live.index, _aborted_output(request_id, live))
+        aborted = list(self._live.items())
+        self._live.clear()
+        for request_id, live in aborted:
+            self._end(live, "abort")
+            live.group.deliver(live.index, _aborted_output(request_id, live))
+        if aborted:
+            self._send(Abort([request_id for request_id, _ in aborted]))
 
-    def _fail(self, request_id: str, error: Exception) -> None:
-        live = self._drop(request_id, "error")
-        if live is not None:
-            failure = RequestFailedError(f"serving the request failed: {error!r}")
-            self._to_loop(live.group.deliver, live.index, failure)
+    def _fail_all(self, why: str) -> None:
+        failed = list(self._live.values())
+        self._live.clear()
+        for live in failed:
+            self._end(live, "error")
+            live.group.deliver(live.index, RequestFailedError(why))
+        for answer in self._pending.values():
+            if not answer.done():
+                answer.set_result(Refusal(why, "RuntimeError"))
 
-    def _drop(self, request_id: str, finish_reason: str) -> _Live | None:
-        """Abort the request in the engine and end its bookkeeping, if a client was waiting for it."""
-        self._engine.abort_request(request_id)
+    # ---- the threads ----------------------------------------------------------------------
+
+    def _write(self) -> None:
+        while (message := self._outbox.get()) is not None:
+            try:
+                self._conn.send(message)
+            except OSError:  # the core is gone; the reader reports it
+                return
+
+    def _read(self) -> None:
+        try:
+            while True:
+                self._loop.call_soon_threadsafe(self._on_message, self._conn.recv())
+        except (EOFError, OSError):
+            self._loop.call_soon_threadsafe(self._on_core_exit)
+
+    # ---- messages from the core, on the event loop ----------------------------------------
+
+    def _on_message(self, message: object) -> None:
+        match message:
+            case StepOutputs(outputs, failures, when):
+                for output in outputs:
+                    self._dispatch(output, when)
+                for request_id, why in failures.items():
+                    self._fail(request_id, why)
+            case Stats(stats):
+                self.metrics.observe_engine(stats)
+            case KVUpdate():
+                self.kv_monitor.on_update(message)
+            case Added(key, refusal) | Compiled(key, refusal):
+                answer = self._pending.get(key)
+                if answer is not None and not answer.done():
+                    answer.set_result(refusal)
+            case Fatal(refusal):
+                logger.error("the engine cannot continue: %s", refusal.message)
+                self._die(f"the engine cannot continue: {refusal.message}")
+            case _:
+                logger.error("unexpected message from the engine core: %r", message)
+
+    def _on_core_exit(self) -> None:
+        if self._stopping or self._dead:
+            return
+        self._process.join(_JOIN_TIMEOUT_S)
+        logger.error("the engine core exited unexpectedly (exit code %s)", self._process.exitcode)
+        self._die(f"the engine core exited unexpectedly (exit code {self._process.exitcode})")
+
+    def _die(self, why: str) -> None:
+        self._dead = True
+        self._accepting = False
+        self._fail_all(why)
+        self.on_fatal()
+
+    def _fail(self, request_id: str, why: str) -> None:
         live = self._live.pop(request_id, None)
         if live is not None:
-            self._end(live, finish_reason)
-        return live
+            self._end(live, "error")
+            live.group.deliver(live.index, RequestFailedError(f"serving the request failed: {why}"))
 
-    def _step(self) -> None:
-        try:
-            outputs = self._engine.step()
-        except EngineDeadError as error:
-            logger.error("the engine cannot continue: %s", error)
-            for request_id in list(self._live):
-                self._fail(request_id, error)
-            self._stopping = True
-            self._to_loop(self.on_fatal)
-            return
-        except RequestsFailedError as failure:
-            for request_id, error in failure.errors.items():
-                self._fail(request_id, error)
-            outputs = failure.outputs
-        except Exception as error:
-            logger.exception("an engine step failed; failing the requests it was running")
-            for request_id in self._requests_in_failed_step():
-                self._fail(request_id, error)
-            return
-        now = time.perf_counter()
-        for output in outputs:
-            self._dispatch(output, now)
-
-    def _requests_in_failed_step(self) -> list[str]:
-        """The running requests: their state is unknown after the failure. Waiting ones did not take part. If
-        none was running, the failure was in scheduling itself, and failing everything prevents a busy loop."""
-        requests = self._engine.requests
-        running = [
-            request_id
-            for request_id, group in requests.items()
-            if any(seq.status is SequenceStatus.RUNNING for seq in group.seqs)
-        ]
-        return running or list(requests)
-
-    def _dispatch(self, output: RequestOutput, now: float) -> None:
+    def _dispatch(self, output: RequestOutput, when: float) -> None:
         live = self._live.get(output.request_id)
         if live is None:
             return
-        self._count_tokens(live, output, now)
+        self._count_tokens(live, output, when)
         live.last = output
         if output.finished:
             del self._live[output.request_id]
             self._end(live, output.outputs[0].finish_reason if output.outputs else "stop")
-        self._to_loop(live.group.deliver, live.index, output)
+        live.group.deliver(live.index, output)
 
-    def _count_tokens(self, live: _Live, output: RequestOutput, now: float) -> None:
+    def _count_tokens(self, live: _Live, output: RequestOutput, when: float) -> None:
         num_tokens = sum(len(completion.token_ids) for completion in output.outputs)
         if num_tokens <= live.num_tokens:
             return
         if live.first_token is None:
-            live.first_token = now
-            self.metrics.observe_first_token(now - live.arrival, len(output.prompt_token_ids))
+            live.first_token = when
+            self.metrics.observe_first_token(when - live.arrival, len(output.prompt_token_ids))
         self.metrics.observe_generated(num_tokens - live.num_tokens)
         live.num_tokens = num_tokens
         live.longest = max(len(completion.token_ids) for completion in output.outputs)
@@ -327,15 +360,6 @@ class AsyncLLMEngine:
     def _end(self, live: _Live, finish_reason: str) -> None:
         timing = RequestTiming(live.arrival, live.first_token, time.perf_counter(), live.longest)
         self.metrics.observe_end(finish_reason, timing)
-
-
-def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
-    if future.done():  # its client left while the add was queued
-        return
-    if error is None:
-        future.set_result(None)
-    else:
-        future.set_exception(error)
 
 
 def _aborted_output(request_id: str, live: _Live) -> RequestOutput:

@@ -1,11 +1,12 @@
 """The live KV-cache page: `GET /kv` (one self-contained HTML page), `GET /kv/snapshot` (JSON) and `GET /kv/events`
 (server-sent events: compact snapshots at most 10 a second, the KV events, and the recent history).
 
-The engine is not thread-safe, so nothing here calls into it from the HTTP side. `KVMonitor` registers an
-observer that the engine calls on its own thread after each step and abort; there it takes a snapshot when
-someone is watching (throttled) and always when the engine falls idle, and swaps it into `latest`, a plain
-reference the HTTP side only reads. KV events go into a bounded queue per stream: a client that reads slowly
-or not at all loses the oldest events (each message says how many were dropped) and never slows the engine.
+The engine runs in the engine core's process, so the page has two halves. `KVPublisher`, there, is an engine
+observer: after each step and abort it takes a snapshot when someone is watching (throttled) and always when
+the engine falls idle, and sends it with the KV events gathered meanwhile (only while a stream is open).
+`KVMonitor`, in the server's process, keeps the latest snapshot and the history, and tells the core what is
+watched. KV events go into a bounded queue per stream: a client that reads slowly or not at all loses the
+oldest events (each message says how many were dropped) and never slows the engine.
 
 Browsers' EventSource cannot send an `Authorization` header, so under `--api-key` the /kv paths also take the
 key as `?api_key=KEY`: `QueryKeyMiddleware` moves it into the header (and out of the logged URL) before the
@@ -20,7 +21,7 @@ import json
 import time
 from array import array
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import astuple, dataclass
 from importlib import resources
 from urllib.parse import parse_qsl, urlencode
@@ -64,13 +65,12 @@ class _Published:
 
 
 class _Stream:
-    """One /kv/events client's queue of KV events. The engine thread appends (and counts what the bounded deque
-    pushed out); the event loop pops. Each counter has one writer."""
+    """One /kv/events client's queue of KV events, bounded: a client that reads slowly loses the oldest."""
 
     def __init__(self) -> None:
         self.events: deque[KVEvent] = deque(maxlen=STREAM_QUEUE)
-        self.dropped = 0  # written by the engine thread
-        self.reported = 0  # written by the event loop
+        self.dropped = 0
+        self.reported = 0
 
     def push(self, event: KVEvent) -> None:
         if len(self.events) == STREAM_QUEUE:
@@ -86,49 +86,89 @@ class _Stream:
         return taken, dropped
 
 
-class KVMonitor:
-    """The engine-thread half (the observer and the event sink) and what the HTTP half reads."""
+@dataclass(frozen=True, slots=True)
+class KVWatch:
+    """The server's process to the engine core: what the /kv clients want now."""
 
-    def __init__(self, engine: LLMEngine) -> None:
-        """Call before the engine thread starts: the first snapshot is taken here, on the calling thread."""
+    streams_open: bool  # an event stream is open: send KV events and a snapshot at most every MIN_INTERVAL_S
+    wanted_until: float  # time.monotonic(): until then, snapshots at that rate for GET /kv/snapshot
+
+
+@dataclass(frozen=True, slots=True)
+class KVUpdate:
+    """The engine core to the server's process: a new snapshot (or None), and the KV events since the last."""
+
+    snapshot: KVSnapshot | None
+    taken_at: float  # time.monotonic(), one clock for every process on Linux
+    idle: bool
+    events: list[KVEvent]
+
+
+class KVPublisher:
+    """The engine's half, in the engine core: after every step and abort (an engine observer) it takes a
+    snapshot, throttled, and sends it with the KV events gathered meanwhile. Events are gathered only while a
+    stream is open, so an unwatched engine builds none."""
+
+    def __init__(self, engine: LLMEngine, send: Callable[[KVUpdate], None]) -> None:
         self._engine = engine
-        self.latest = _Published(engine.kv_snapshot(), time.monotonic())
-        self.history: deque[HistoryPoint] = deque(maxlen=_HISTORY_POINTS)
-        self.idle = True
-        self._streams: tuple[_Stream, ...] = ()  # replaced, never mutated: the engine thread iterates it
+        self._send = send
+        self._watch = KVWatch(streams_open=False, wanted_until=0.0)
+        self._events: list[KVEvent] = []
         self._sink_installed = False
-        self._wanted_until = 0.0
         self._cost = 0.0
-        self._frame_cache: tuple[KVSnapshot, str] | None = None
-        self._record(self.latest.snapshot)
+        self._taken_at = time.monotonic()
+        self._idle = True
+        send(KVUpdate(engine.kv_snapshot(), self._taken_at, True, []))
         engine.add_observer(self._after_change)
 
-    # ---- engine thread --------------------------------------------------------------------
-
-    def _after_change(self) -> None:
-        self._sync_sink()
-        now = time.monotonic()
-        self.idle = not self._engine.has_unfinished_requests()
-        watched = bool(self._streams) or now < self._wanted_until
-        interval = max(MIN_INTERVAL_S if watched else _IDLE_INTERVAL_S, self._cost * _COST_FACTOR)
-        if self.idle or now - self.latest.taken_at >= interval:
-            snapshot = self._engine.kv_snapshot()
-            self._cost = time.monotonic() - now
-            self.latest = _Published(snapshot, now)
-            self._record(snapshot)
-
-    def _sync_sink(self) -> None:
-        """Listen to the KV layer only while a stream is open, so that an unwatched engine builds no events."""
-        wanted = bool(self._streams)
-        if wanted and not self._sink_installed:
+    def watch(self, watch: KVWatch) -> None:
+        self._watch = watch
+        if watch.streams_open and not self._sink_installed:
             self._engine.add_kv_event_sink(self._on_event)
-        elif self._sink_installed and not wanted:
+        elif self._sink_installed and not watch.streams_open:
             self._engine.remove_kv_event_sink(self._on_event)
-        self._sink_installed = wanted
+        self._sink_installed = watch.streams_open
 
     def _on_event(self, event: KVEvent) -> None:
+        self._events.append(event)
+
+    def _after_change(self) -> None:
+        now = time.monotonic()
+        idle = not self._engine.has_unfinished_requests()
+        watched = self._watch.streams_open or now < self._watch.wanted_until
+        interval = max(MIN_INTERVAL_S if watched else _IDLE_INTERVAL_S, self._cost * _COST_FACTOR)
+        snapshot = None
+        if idle or now - self._taken_at >= interval:
+            snapshot = self._engine.kv_snapshot()
+            self._cost = time.monotonic() - now
+            self._taken_at = now
+        if snapshot is not None or self._events or idle != self._idle:
+            events, self._events = self._events, []
+            self._send(KVUpdate(snapshot, self._taken_at, idle, events))
+        self._idle = idle
+
+
+class KVMonitor:
+    """The HTTP half, in the server's process, on its event loop: the latest snapshot, the history, the
+    streams' queues; it tells the engine core what is watched through `watch`."""
+
+    def __init__(self, watch: Callable[[KVWatch], None]) -> None:
+        self._watch = watch
+        self.latest: _Published | None = None  # the core's first update arrives before it says it is ready
+        self.history: deque[HistoryPoint] = deque(maxlen=_HISTORY_POINTS)
+        self.idle = True
+        self._streams: list[_Stream] = []
+        self._wanted_until = 0.0
+        self._frame_cache: tuple[KVSnapshot, str] | None = None
+
+    def on_update(self, update: KVUpdate) -> None:
+        self.idle = update.idle
+        if update.snapshot is not None:
+            self.latest = _Published(update.snapshot, update.taken_at)
+            self._record(update.snapshot)
         for stream in self._streams:
-            stream.push(event)
+            for event in update.events:
+                stream.push(event)
 
     def _record(self, snapshot: KVSnapshot) -> None:
         if self.history and snapshot.time - self.history[-1].time < _HISTORY_STEP_S:
@@ -145,15 +185,18 @@ class KVMonitor:
             )
         )
 
-    # ---- event loop -----------------------------------------------------------------------
-
     def open_stream(self) -> _Stream:
         stream = _Stream()
-        self._streams = (*self._streams, stream)
+        self._streams.append(stream)
+        self._tell()
         return stream
 
     def close_stream(self, stream: _Stream) -> None:
-        self._streams = tuple(s for s in self._streams if s is not stream)
+        self._streams.remove(stream)
+        self._tell()
+
+    def _tell(self) -> None:
+        self._watch(KVWatch(streams_open=bool(self._streams), wanted_until=self._wanted_until))
 
     @property
     def num_streams(self) -> int:
@@ -164,6 +207,7 @@ class KVMonitor:
         the engine takes after this call (or the latest, if none comes within _FRESH_TIMEOUT_S)."""
         asked = time.monotonic()
         self._wanted_until = asked + _FRESH_TIMEOUT_S
+        self._tell()
         while not self.idle and self.latest.taken_at < asked and time.monotonic() - asked < _FRESH_TIMEOUT_S:
             await asyncio.sleep(MIN_INTERVAL_S / 5)
         return self.latest.snapshot
@@ -319,10 +363,8 @@ def _move_query_key(scope: Scope) -> None:
         scope["headers"] = [*scope["headers"], (b"authorization", f"Bearer {keys[0]}".encode())]
 
 
-def mount_kv_page(app: FastAPI, engine: LLMEngine) -> KVMonitor:
-    """Serve the /kv paths from `app`. Call after every other middleware is added (the query-key middleware must
-    run before the API-key check) and before the engine thread starts."""
-    monitor = KVMonitor(engine)
+def mount_kv_page(app: FastAPI, monitor: KVMonitor) -> None:
+    """Serve the /kv paths from `app`. Call after every other middleware is added: the query-key middleware
+    must run before the API-key check."""
     app.include_router(kv_router(monitor))
     app.add_middleware(QueryKeyMiddleware)
-    return monitor

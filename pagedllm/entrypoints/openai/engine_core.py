@@ -1,0 +1,266 @@
+"""The engine core: an `LLMEngine` stepped in a process of its own, beside the HTTP server's process.
+
+Torch's compute threads spin between operators and the engine's Python holds the GIL between them; in the
+server's process they would compete with the event loop for both, and every parallel operator would wait
+for the thread the event loop preempted. In a process of its own the engine owns every core and its GIL,
+and the HTTP side costs it only the messages below, pickled over one pipe (as vLLM v1's engine core does
+over a socket).
+
+The server's process sends `AddRequests`, `Compile`, `Abort`, `KVWatch` and `Stop`; the core answers with
+`Ready` once, then `Added` and `Compiled` (a refusal carries its message), `StepOutputs` after every step
+that moved a request, `Stats` (throttled while busy, always when it falls idle or after an abort),
+`KVUpdate` (snapshots and KV events for the /kv page, see `kv_page.KVPublisher`) and `Fatal` when the
+engine cannot go on. The core exits when told to stop, when the engine dies, or when its pipe closes
+(the server's process is gone).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from pagedllm.beam_search import BeamSearchParams
+from pagedllm.engine import EngineDeadError, LLMEngine, PromptInput, RequestsFailedError
+from pagedllm.entrypoints.llm import LLM
+from pagedllm.entrypoints.openai.kv_page import KVPublisher, KVWatch
+from pagedllm.outputs import EngineStats, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.sequence import SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+_STATS_INTERVAL_S = 0.05
+EngineParams = SamplingParams | BeamSearchParams
+
+
+# ---- messages to the core ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AddRequests:
+    key: int  # echoed in the `Added` answer
+    request_ids: list[str]
+    prompts: list[PromptInput]
+    params: EngineParams
+
+
+@dataclass(frozen=True, slots=True)
+class Compile:
+    key: int
+    params: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    request_ids: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    pass
+
+
+# ---- messages from the core ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """An error raised in the core, as the server's process re-raises it: a ValueError is the request's (or the
+    options') fault and becomes a 400 (or the CLI's error line), a FileNotFoundError names a missing model."""
+
+    message: str
+    kind: str  # "ValueError", "FileNotFoundError" or "RuntimeError"
+
+    @staticmethod
+    def of(error: Exception) -> Refusal:
+        kind = next((k.__name__ for k in (ValueError, FileNotFoundError) if isinstance(error, k)), "RuntimeError")
+        return Refusal(str(error), kind)
+
+    def error(self) -> Exception:
+        return {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError}.get(self.kind, RuntimeError)(
+            self.message
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    max_model_len: int
+    model_folder: str  # where the server's process reads the same tokenizer
+    startup_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Added:
+    key: int
+    refusal: Refusal | None
+
+
+@dataclass(frozen=True, slots=True)
+class Compiled:
+    key: int
+    refusal: Refusal | None
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutputs:
+    outputs: list[RequestOutput]
+    failures: dict[str, str]  # request id -> why serving it failed; the core has aborted it
+    time: float  # time.perf_counter() after the step: on Linux one clock for every process
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    stats: EngineStats
+
+
+@dataclass(frozen=True, slots=True)
+class Fatal:
+    """The engine cannot go on (or could not start); the core exits after sending it."""
+
+    refusal: Refusal
+
+
+# ---- the core process ----------------------------------------------------------------------------
+
+
+def run_engine_core(conn: Connection, engine_options: dict[str, Any], log_level: int) -> None:
+    """The core process's entry: build the engine, say `Ready`, serve until stopped."""
+    # Ctrl-C reaches the whole process group; the server's process decides how in-flight requests end.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
+    started = time.perf_counter()
+    try:
+        engine = LLM(**engine_options).engine
+    except Exception as error:
+        conn.send(Fatal(Refusal.of(error)))
+        return
+    core = EngineCore(engine, conn)
+    core.send(Ready(engine.max_model_len, str(engine.loaded.folder), time.perf_counter() - started))
+    try:
+        core.run()
+    finally:
+        engine.shutdown()
+
+
+class EngineCore:
+    def __init__(self, engine: LLMEngine, conn: Connection) -> None:
+        self._engine = engine
+        self._conn = conn
+        self._send_lock = threading.Lock()  # the compile thread answers too
+        self._compiler = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-compile")
+        self._kv = KVPublisher(engine, self.send)
+        self._stopping = False
+        self._stats_published = 0.0
+
+    def send(self, message: object) -> None:
+        with self._send_lock:
+            self._conn.send(message)
+
+    def run(self) -> None:
+        try:
+            while not self._stopping:
+                self._serve_once()
+        except (EOFError, OSError):
+            logger.warning("the server's process is gone; the engine core stops")
+        finally:
+            self._compiler.shutdown(wait=False, cancel_futures=True)
+
+    def _serve_once(self) -> None:
+        self._receive(block=False)
+        busy = self._engine.has_unfinished_requests() and not self._stopping
+        if busy:
+            self._step()
+        self._publish_stats(force=not busy)
+        if not busy and not self._stopping:
+            self._receive(block=True)
+            self._stats_published = 0.0  # publish the first step after a pause at once
+
+    def _receive(self, block: bool) -> None:
+        """Handle every message waiting; with `block`, wait for the first."""
+        if block:
+            self._conn.poll(None)
+        while self._conn.poll():
+            self._handle(self._conn.recv())
+
+    def _handle(self, message: object) -> None:
+        match message:
+            case AddRequests():
+                self._add(message)
+            case Abort(request_ids):
+                for request_id in request_ids:
+                    self._engine.abort_request(request_id)
+                self._stats_published = 0.0  # gauges right after an abort are exact
+            case Compile(key, params):
+                self._compiler.submit(self._engine.compile_constraint, params).add_done_callback(
+                    lambda done, key=key: self.send(Compiled(key, _refusal(done)))
+                )
+            case KVWatch():
+                self._kv.watch(message)
+            case Stop():
+                self._stopping = True
+            case _:
+                raise TypeError(f"the engine core got an unknown message: {message!r}")
+
+    def _add(self, message: AddRequests) -> None:
+        requests = list(zip(message.request_ids, message.prompts, [message.params] * len(message.prompts), strict=True))
+        try:
+            self._engine.add_requests(requests)
+        except Exception as error:
+            self.send(Added(message.key, Refusal.of(error)))
+            return
+        self.send(Added(message.key, None))
+
+    def _publish_stats(self, force: bool) -> None:
+        """At most every _STATS_INTERVAL_S while busy (stats() walks every block table), and always before
+        waiting, so an idle server's gauges are exact."""
+        now = time.perf_counter()
+        if force or now - self._stats_published >= _STATS_INTERVAL_S:
+            self.send(Stats(self._engine.stats()))
+            self._stats_published = now
+
+    def _step(self) -> None:
+        failures: dict[str, str] = {}
+        try:
+            outputs = self._engine.step()
+        except EngineDeadError as error:
+            logger.error("the engine cannot continue: %s", error)
+            self.send(Fatal(Refusal.of(error)))
+            self._stopping = True
+            return
+        except RequestsFailedError as failure:
+            for request_id, error in failure.errors.items():
+                self._engine.abort_request(request_id)
+                failures[request_id] = repr(error)
+            outputs = failure.outputs
+        except Exception as error:
+            logger.exception("an engine step failed; failing the requests it was running")
+            for request_id in self._requests_in_failed_step():
+                self._engine.abort_request(request_id)
+                failures[request_id] = repr(error)
+            outputs = []
+        if outputs or failures:
+            self.send(StepOutputs(outputs, failures, time.perf_counter()))
+
+    def _requests_in_failed_step(self) -> list[str]:
+        """The running requests: their state is unknown after the failure. Waiting ones did not take part. If
+        none was running, the failure was in scheduling itself, and failing everything prevents a busy loop."""
+        requests = self._engine.requests
+        running = [
+            request_id
+            for request_id, group in requests.items()
+            if any(seq.status is SequenceStatus.RUNNING for seq in group.seqs)
+        ]
+        return running or list(requests)
+
+
+def _refusal(done: Future[None]) -> Refusal | None:
+    if done.cancelled():  # the core is stopping
+        return Refusal("the server is shutting down", "RuntimeError")
+    error = done.exception()
+    return None if error is None else Refusal.of(error)
