@@ -110,6 +110,10 @@ class ServeOptions:
     shutdown_grace_s: float = option(5.0, "seconds in-flight requests get after SIGTERM", flag="--shutdown-grace")
     log_level: str = option("warning", "uvicorn's log level (the CLI's --log-level)")
     max_body_bytes: int = option(16 << 20, "largest request body accepted; larger ones get HTTP 413 unread")
+    max_waiting_requests: int = option(
+        1024, "requests waiting for their first token beyond which new ones get HTTP 503 with Retry-After"
+    )
+    metrics_need_key: bool = option(False, "with --api-key, /metrics needs the key too (/health never does)")
     tool_call_parser: str = option(
         "auto",
         "how chat replies' tool calls are read; auto: llama3_json for Llama 3 templates, else hermes",

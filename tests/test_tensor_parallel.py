@@ -215,7 +215,8 @@ def test_a_server_whose_rank_dies_fails_its_requests_and_exits_non_zero(tiny_lla
         tiny_llama, tmp_path / "server.log", "--tensor-parallel-size", "2", "--distributed-timeout", "10"
     )
     try:
-        follower = next(iter(children_of(server.process.pid)))
+        # The server's engine core (a child) leads the group; the other rank is the core's child.
+        (follower,) = [pid for pid in descendants(server.process.pid) if b"worker.follower" in cmdline(pid)]
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
         assert client.completions.create(model=str(tiny_llama), prompt="Hello", max_tokens=4).choices[0].text
         os.kill(follower, signal.SIGKILL)
@@ -224,6 +225,15 @@ def test_a_server_whose_rank_dies_fails_its_requests_and_exits_non_zero(tiny_lla
         assert server.process.wait(timeout=30) == 1, (tmp_path / "server.log").read_text()
     finally:
         server.process.kill()
+
+
+def descendants(pid: int) -> set[int]:
+    children = children_of(pid)
+    return children.union(*(descendants(child) for child in children))
+
+
+def cmdline(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/cmdline").read_bytes()
 
 
 def children_of(pid: int) -> set[int]:

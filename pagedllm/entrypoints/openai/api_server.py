@@ -36,7 +36,7 @@ from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_common import ApiError, OpenAIServing, RenderChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 
-_OPEN_PATHS = frozenset({"/health", "/metrics"})  # open even with an API key: probes and scrapers carry none
+_GENERATING_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 _SHUTDOWN_BACKSTOP_S = 3.0  # after the grace period and the aborts, uvicorn cancels whatever still runs
 
 
@@ -45,7 +45,7 @@ def serve(engine_options: dict[str, Any], options: ServeOptions) -> int:
     finish or abort in-flight requests and return 0. If the engine cannot continue (a tensor-parallel rank
     died, or the core process did), fail its requests, stop, and return 1."""
     options = replace(options, served_model_names=options.model_names(engine_options.get("model")))
-    engine = AsyncLLMEngine(engine_options, ServerMetrics())
+    engine = AsyncLLMEngine(engine_options, ServerMetrics(), options.max_waiting_requests)
     app = build_app(engine, partial(render_chat, engine.tokenizer), options)
     mount_kv_page(app, engine.kv_monitor)  # after build_app: its query-key middleware runs before the key check
     config = uvicorn.Config(
@@ -118,7 +118,10 @@ def build_app(engine: AsyncLLMEngine, render_chat: RenderChat, options: ServeOpt
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
     if options.api_key is not None:
-        app.add_middleware(_ApiKeyMiddleware, api_key=options.api_key)
+        # Probes carry no key; scrapers may (Prometheus sends it as a bearer token) when asked to.
+        open_paths = frozenset({"/health"} if options.metrics_need_key else {"/health", "/metrics"})
+        app.add_middleware(_ApiKeyMiddleware, api_key=options.api_key, open_paths=open_paths)
+    app.add_middleware(_BackpressureMiddleware, engine=engine)
     app.add_middleware(_BodyLimitMiddleware, limit=options.max_body_bytes)  # added last: runs first
     return app
 
@@ -147,10 +150,15 @@ class _ServingInfo(OpenAIServing):
             raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
         return protocol.DetokenizeResponse(prompt=self.engine.tokenizer.decode(body.tokens))
 
-    async def health(self) -> Response:
-        if not self.engine.is_running:
-            raise ApiError(503, "the engine is not running", kind="server_error")
-        return Response(status_code=200)
+    async def health(self) -> JSONResponse:
+        """503 when the engine is dead (restart the server); 200 otherwise, the body saying whether it is
+        overloaded (new requests get 503 with Retry-After until the queue shrinks), which is no reason to
+        restart it."""
+        engine = self.engine
+        if not engine.is_running:
+            return JSONResponse({"status": "dead", "message": "the engine is not running"}, status_code=503)
+        status = "overloaded" if engine.overloaded else "ok"
+        return JSONResponse({"status": status, "num_waiting": engine.num_waiting, "max_waiting": engine.max_waiting})
 
     async def metrics(self) -> Response:
         return Response(self.engine.metrics.render(), media_type=METRICS_CONTENT_TYPE)
@@ -250,15 +258,38 @@ class _BodyLimitMiddleware:
         await ApiError(413, message, code="request_too_large").response()(scope, receive, send)
 
 
-class _ApiKeyMiddleware:
-    """A pure ASGI middleware: unlike BaseHTTPMiddleware, it leaves streaming and disconnects untouched."""
+class _BackpressureMiddleware:
+    """While the engine is overloaded, a request that would generate is refused before its body is read: 503
+    with Retry-After, so that well-behaved clients back off instead of queueing without bound."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, engine: AsyncLLMEngine) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.engine = engine
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in _OPEN_PATHS or self._authorized(scope):
+        if scope["type"] == "http" and scope["path"] in _GENERATING_PATHS and self.engine.overloaded:
+            message = (
+                f"the server is overloaded: {self.engine.num_waiting} requests are waiting for their first token "
+                f"(--max-waiting-requests {self.engine.max_waiting}); retry later"
+            )
+            refusal = ApiError(503, message, kind="server_error", code="server_overloaded").response()
+            refusal.headers["Retry-After"] = "1"
+            await refusal(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+class _ApiKeyMiddleware:
+    """A pure ASGI middleware: unlike BaseHTTPMiddleware, it leaves streaming and disconnects untouched. The
+    key is compared in constant time."""
+
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: frozenset[str]) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+        self.open_paths = open_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.open_paths or self._authorized(scope):
             await self.app(scope, receive, send)
             return
         refusal = ApiError(401, "invalid or missing API key", code="invalid_api_key").response()

@@ -120,10 +120,13 @@ class EngineStartError(RuntimeError):
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine_options: dict[str, Any], metrics: ServerMetrics) -> None:
+    def __init__(self, engine_options: dict[str, Any], metrics: ServerMetrics, max_waiting: int) -> None:
         """Start the engine core and wait until it is ready. Raises what building the engine raises
-        (ValueError for bad options, FileNotFoundError for a missing model), or EngineStartError."""
+        (ValueError for bad options, FileNotFoundError for a missing model), or EngineStartError.
+        `max_waiting`: requests waiting for their first token at which the server is `overloaded`."""
         self.metrics = metrics
+        self.max_waiting = max_waiting
+        self.num_waiting = 0  # requests accepted here whose first token has not arrived
         self.kv_monitor = KVMonitor(self._send)
         # Called on the event loop when the engine cannot continue: the server exits non-zero so that a
         # supervisor restarts it.
@@ -179,6 +182,12 @@ class AsyncLLMEngine:
     def is_running(self) -> bool:
         return not self._dead and self._process.is_alive()
 
+    @property
+    def overloaded(self) -> bool:
+        """New requests would queue behind `max_waiting` others: the server refuses them (503, Retry-After)
+        rather than let the queue, and every waiting client's latency, grow without bound."""
+        return self.num_waiting >= self.max_waiting
+
     async def compile_constraint(self, params: EngineParams) -> None:
         """Compile the request's structured-output constraint (if any) on the core's compile thread, so that a
         slow grammar never stalls its steps and one that does not compile is refused (ValueError) before the
@@ -197,6 +206,7 @@ class AsyncLLMEngine:
         arrival = time.perf_counter()
         for index, request_id in enumerate(group.request_ids):
             self._live[request_id] = _Live(group, index, n, arrival)
+        self.num_waiting += len(prompts)
         key = next(self._keys)
         try:
             refusal = await self._ask(key, AddRequests(key, group.request_ids, prompts, params))
@@ -205,7 +215,8 @@ class AsyncLLMEngine:
             raise
         if refusal is not None:
             for request_id in group.request_ids:
-                self._live.pop(request_id, None)
+                if self._live.pop(request_id, None) is not None:
+                    self.num_waiting -= 1
             self._raise(refusal)
         return group
 
@@ -352,12 +363,15 @@ class AsyncLLMEngine:
             return
         if live.first_token is None:
             live.first_token = when
+            self.num_waiting -= 1
             self.metrics.observe_first_token(when - live.arrival, len(output.prompt_token_ids))
         self.metrics.observe_generated(num_tokens - live.num_tokens)
         live.num_tokens = num_tokens
         live.longest = max(len(completion.token_ids) for completion in output.outputs)
 
     def _end(self, live: _Live, finish_reason: str) -> None:
+        if live.first_token is None:
+            self.num_waiting -= 1
         timing = RequestTiming(live.arrival, live.first_token, time.perf_counter(), live.longest)
         self.metrics.observe_end(finish_reason, timing)
 

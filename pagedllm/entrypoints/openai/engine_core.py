@@ -131,8 +131,10 @@ class Fatal:
 
 def run_engine_core(conn: Connection, engine_options: dict[str, Any], log_level: int) -> None:
     """The core process's entry: build the engine, say `Ready`, serve until stopped."""
-    # Ctrl-C reaches the whole process group; the server's process decides how in-flight requests end.
+    # Ctrl-C, and SIGTERM from a supervisor that signals the whole group (systemd does), reach this process too;
+    # the server's process decides how in-flight requests end, and stops the core (or its pipe closes).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
     started = time.perf_counter()
     try:
