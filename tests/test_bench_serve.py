@@ -80,3 +80,12 @@ def test_arrivals_are_a_poisson_process():
     std = (sum((gap - mean) ** 2 for gap in gaps) / len(gaps)) ** 0.5
     assert std == pytest.approx(mean, rel=0.05)
     assert poisson_offsets(5, float("inf"), random.Random(0)) == [0.0] * 5
+
+
+def test_warmups_run_first_and_are_not_measured(server, tmp_path):
+    before = server.metric("pagedllm:generation_tokens_total")
+    returncode, report = bench(server, tmp_path, "--num-warmups", "4")
+    assert returncode == 0 and report["num_warmups"] == 4
+    assert report["completed"] == NUM_PROMPTS and report["total_output_tokens"] == NUM_PROMPTS * MAX_TOKENS
+    generated = server.metric("pagedllm:generation_tokens_total") - before
+    assert generated == (NUM_PROMPTS + 4) * MAX_TOKENS  # the server did serve the warm-ups

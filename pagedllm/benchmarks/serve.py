@@ -45,6 +45,7 @@ class BenchConfig:
     ignore_eos: bool = False
     seed: int = 0
     api_key: str | None = None
+    num_warmups: int = 0  # requests sent all at once, and waited for, before the measured ones
 
 
 @dataclass(slots=True)
@@ -67,6 +68,9 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--ignore-eos", action="store_true", help="vLLM extra: always generate max-tokens")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--num-warmups", type=int, default=0, help="requests sent at once and finished before measuring (as vLLM's)"
+    )
     parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     parser.add_argument(
         "--json",
@@ -87,6 +91,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         seed=args.seed,
         api_key=args.api_key,
+        num_warmups=args.num_warmups,
     )
     report = asyncio.run(run_benchmark(config))
     print(format_report(report))
@@ -105,6 +110,8 @@ async def run_benchmark(config: BenchConfig) -> dict:
     rng = random.Random(config.seed)
     words = _TEXT.split()
     prompts = [" ".join(rng.choices(words, k=config.input_len)) for _ in range(config.num_prompts)]
+    # Drawn after the measured prompts: the same seed measures the same requests with or without warm-ups.
+    warmups = [" ".join(rng.choices(words, k=config.input_len)) for _ in range(config.num_warmups)]
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(
@@ -112,6 +119,8 @@ async def run_benchmark(config: BenchConfig) -> dict:
     ) as client:
         model = config.model or await _first_model(client)
         payloads = [_payload(config, model, prompt) for prompt in prompts]
+        if warmups:
+            await _send_all(client, [_payload(config, model, prompt) for prompt in warmups], [0.0] * len(warmups))
         started = time.perf_counter()
         results = await _send_all(client, payloads, poisson_offsets(len(payloads), config.request_rate, rng))
         duration = time.perf_counter() - started
@@ -122,6 +131,7 @@ async def run_benchmark(config: BenchConfig) -> dict:
         "request_rate": config.request_rate,
         "input_len_words": config.input_len,
         "max_tokens": config.max_tokens,
+        "num_warmups": config.num_warmups,
     }
 
 
