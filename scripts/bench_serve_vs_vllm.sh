@@ -47,9 +47,9 @@ stop_server() {
     wait "$SERVER_PID" || true
 }
 
-bench() {  # ENGINE RATE WARMUPS
+bench() {  # ENGINE RATE WARMUPS: the warm run draws other prompts (--seed 1), so no prompt is a prefix-cache hit
     .venv/bin/pagedllm bench serve --base-url "http://127.0.0.1:$PORT" "${LOAD[@]}" --request-rate "$2" \
-        --num-warmups "$3" --json "$OUT/$1-rate$2-warm$3.json" >"$OUT/$1-rate$2-warm$3.txt"
+        --num-warmups "$3" --seed "$(( $3 > 0 ))" --json "$OUT/$1-rate$2-warm$3.json" >"$OUT/$1-rate$2-warm$3.txt"
 }
 
 : >"$OUT/ready.txt"
