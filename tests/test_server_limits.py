@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 
 from pagedllm.models.default import default_model_file
 from tests.test_server import ServerProcess, sse_data, start_server, stop_server
@@ -22,10 +21,13 @@ from tests.test_tensor_parallel import children_of, cmdline
 KEY = "sk-limits"
 
 
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
 def long_stream(server: ServerProcess, max_tokens: int, seen: list[str], started: threading.Event) -> None:
     """Stream a greedy completion of exactly `max_tokens` tokens, recording every data line."""
     body = {"prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as response:
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=120) as response:
         for data in sse_data(response):
             seen.append(data)
             started.set()
@@ -40,22 +42,31 @@ def start(tmp_path: Path, *flags: str) -> ServerProcess:
     return start_server(default_model_file(), tmp_path / "server.log", *flags)
 
 
-def test_a_full_queue_gets_503_with_retry_after_and_health_says_overloaded(tmp_path):
-    server = start(tmp_path, "--max-num-seqs", "1", "--max-waiting-requests", "2")
+def test_a_full_queue_gets_503_with_retry_after_health_says_overloaded_and_metrics_need_the_key(tmp_path):
+    flags = ["--max-num-seqs", "1", "--max-waiting-requests", "2", "--api-key", KEY, "--metrics-need-key"]
+    server = start(tmp_path, *flags)
     try:
+        assert httpx.get(f"{server.url}/metrics").status_code == 401
+        scraped = httpx.get(f"{server.url}/metrics", headers=AUTH)
+        assert scraped.status_code == 200 and "pagedllm:kv_blocks_total" in scraped.text
+        assert httpx.get(f"{server.url}/kv/snapshot").status_code == 401
         seen: list[list[str]] = [[], [], []]
         started = [threading.Event() for _ in seen]
-        threads = [threading.Thread(target=long_stream, args=(server, 300, seen[i], started[i])) for i in range(3)]
+        # The first runs long enough for the checks below; the two queued behind it are short.
+        lengths = [200, 16, 16]
+        threads = [
+            threading.Thread(target=long_stream, args=(server, n, seen[i], started[i])) for i, n in enumerate(lengths)
+        ]
         threads[0].start()
         assert started[0].wait(60)
         for thread in threads[1:]:  # one runs (max-num-seqs 1), two wait: the queue is at its bound
             thread.start()
         deadline = time.monotonic() + 10
-        while (health := httpx.get(f"{server.url}/health").json())["status"] != "overloaded":
+        while (health := httpx.get(f"{server.url}/health").json())["status"] != "overloaded":  # no key needed
             assert time.monotonic() < deadline, health
             time.sleep(0.05)
         assert health == {"status": "overloaded", "num_waiting": 2, "max_waiting": 2}
-        refused = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+        refused = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, headers=AUTH)
         assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
         error = refused.json()["error"]
         assert error["code"] == "server_overloaded" and "--max-waiting-requests 2" in error["message"]
@@ -63,20 +74,8 @@ def test_a_full_queue_gets_503_with_retry_after_and_health_says_overloaded(tmp_p
             thread.join(120)
         assert [finish_reason(s) for s in seen] == ["length"] * 3  # the queued ones were served, not dropped
         assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
-        served = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
-        assert served.status_code == 200
-    finally:
-        assert stop_server(server) == 0, server.log.read_text()
-
-
-def test_metrics_can_need_the_key_and_health_never_does(tmp_path):
-    server = start(tmp_path, "--api-key", KEY, "--metrics-need-key")
-    try:
-        assert httpx.get(f"{server.url}/metrics").status_code == 401
-        scraped = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {KEY}"})
-        assert scraped.status_code == 200 and "pagedllm:kv_blocks_total" in scraped.text
-        assert httpx.get(f"{server.url}/kv/snapshot").status_code == 401
-        assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+        body = {"prompt": "Hi", "max_tokens": 2}
+        assert httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=60).status_code == 200
     finally:
         assert stop_server(server) == 0, server.log.read_text()
 
@@ -122,34 +121,31 @@ def test_sigterm_refuses_new_requests_finishes_short_ones_and_aborts_at_the_grac
     assert len(long_seen) < 2000  # it was cut, not finished
 
 
-@pytest.mark.parametrize("streamed", [True, False])
-def test_when_the_engine_core_dies_its_requests_fail_and_the_server_exits_1(tmp_path, streamed):
-    """Nothing hangs: the in-flight request gets a server error naming the cause, and the server exits non-zero
-    so that a supervisor restarts it."""
+def test_when_the_engine_core_dies_its_requests_fail_and_the_server_exits_1(tmp_path):
+    """Nothing hangs: in-flight requests, streamed or not, get a server error naming the cause, and the server
+    exits non-zero so that a supervisor restarts it."""
     server = start(tmp_path)
     try:
-        outcome: dict[str, object] = {}
-        body = {"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True, "stream": streamed}
+        outcomes: dict[bool, tuple[int, str]] = {}
 
-        def request() -> None:
+        def request(streamed: bool) -> None:
+            body = {"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True, "stream": streamed}
             with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
-                outcome["status"] = response.status_code
-                outcome["lines"] = list(response.iter_lines())
+                outcomes[streamed] = (response.status_code, "\n".join(response.iter_lines()))
 
-        thread = threading.Thread(target=request)
-        thread.start()
+        threads = [threading.Thread(target=request, args=(streamed,)) for streamed in (True, False)]
+        for thread in threads:
+            thread.start()
         deadline = time.monotonic() + 30
-        while server.metric("pagedllm:generation_tokens_total") < 5:
+        while server.metric("pagedllm:generation_tokens_total") < 10:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         (core,) = [pid for pid in children_of(server.process.pid) if b"spawn_main" in cmdline(pid)]
         os.kill(core, signal.SIGKILL)
-        thread.join(30)
-        text = "\n".join(outcome["lines"])
-        if streamed:
-            assert outcome["status"] == 200 and "engine core exited unexpectedly" in text
-        else:
-            assert outcome["status"] == 500 and "engine core exited unexpectedly" in text
+        for thread in threads:
+            thread.join(30)
+        assert outcomes[True][0] == 200 and "engine core exited unexpectedly" in outcomes[True][1]
+        assert outcomes[False][0] == 500 and "engine core exited unexpectedly" in outcomes[False][1]
         assert server.process.wait(timeout=20) == 1, server.log.read_text()
     finally:
         server.process.kill()
