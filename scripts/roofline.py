@@ -1,0 +1,197 @@
+"""Where a prefill step and a decode step of the default model stand against this machine's limits.
+
+`python scripts/roofline.py [--decode-seqs 64] [--prompt-len 256] [--repeats 5]` measures two peaks (a
+bf16 GEMM through the same prepacked oneDNN call the model makes, and a streaming read of 256 MB), then
+times steps of the engine with every linear layer, attention call and K/V write wrapped in a wall clock:
+achieved GFLOP/s of the GEMMs (2·rows·in·out per call), GB/s of attention (the K/V bytes of every
+sequence's context, read once per layer), and the share of the step that is neither. Prints a markdown
+table; the figures are medians over `--repeats` steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+import pagedllm.attention.cpu as cpu_attention
+import pagedllm.models.decoder as decoder
+from pagedllm import LLM, SamplingParams
+from pagedllm.models.prepack import prepacked
+
+
+@dataclass
+class Tally:
+    gemm_s: float = 0.0
+    gemm_flop: float = 0.0
+    attention_s: float = 0.0
+    attention_bytes: float = 0.0
+    write_kv_s: float = 0.0
+
+
+@dataclass
+class StepFigures:
+    seconds: list[float] = field(default_factory=list)
+    tallies: list[Tally] = field(default_factory=list)
+    threads: list[int] = field(default_factory=list)
+
+
+TALLY = Tally()
+
+
+def timed(function: Callable, account: Callable[[float, tuple], None]) -> Callable:
+    def wrapper(*args, **kwargs):
+        started = time.perf_counter()
+        result = function(*args, **kwargs)
+        account(time.perf_counter() - started, args)
+        return result
+
+    return wrapper
+
+
+def count_gemm(seconds: float, args: tuple) -> None:
+    layer, x = args[0], args[1]
+    rows = x.reshape(-1, x.shape[-1]).shape[0]
+    TALLY.gemm_s += seconds
+    TALLY.gemm_flop += 2.0 * rows * layer.weight.shape[0] * layer.weight.shape[1]
+
+
+def count_attention(seconds: float, args: tuple) -> None:
+    call = args[0]
+    context_tokens = int(call.metadata.seq_lens.sum())
+    per_token = call.k_cache.shape[-2] * call.k_cache.shape[-1] * call.k_cache.element_size()  # heads x dim
+    TALLY.attention_s += seconds
+    TALLY.attention_bytes += 2.0 * context_tokens * per_token  # K and V
+
+
+def count_write_kv(seconds: float, _: tuple) -> None:
+    TALLY.write_kv_s += seconds
+
+
+def instrument() -> None:
+    decoder.Linear.forward = timed(decoder.Linear.forward, count_gemm)
+    cpu_attention.attend = timed(cpu_attention.attend, count_attention)
+    decoder.write_kv = timed(decoder.write_kv, count_write_kv)
+
+
+def gemm_peak() -> float:
+    """GFLOP/s of a 2048 x 2048 x 2048 bf16 product through the prepacked oneDNN call, best of 10."""
+    x = torch.randn(2048, 2048, dtype=torch.bfloat16)
+    weight = prepacked(torch.randn(2048, 2048, dtype=torch.bfloat16))
+    best = float("inf")
+    for _ in range(13):
+        started = time.perf_counter()
+        torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+        best = min(best, time.perf_counter() - started)
+    return 2.0 * 2048**3 / best / 1e9
+
+
+def read_peak() -> float:
+    """GB/s of summing 256 MB of float32, best of 10."""
+    data = torch.ones(64 << 20)
+    best = float("inf")
+    for _ in range(12):
+        started = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - started)
+    return data.numel() * 4 / best / 1e9
+
+
+def one_step(llm: LLM) -> tuple[float, Tally, int]:
+    """The step's time, its tally (later steps count into a tally nobody reads), and its thread count."""
+    global TALLY
+    TALLY = tally = Tally()
+    started = time.perf_counter()
+    llm.engine.step()
+    seconds = time.perf_counter() - started
+    TALLY = Tally()
+    return seconds, tally, torch.get_num_threads()
+
+
+def prefill_steps(llm: LLM, prompt_len: int, repeats: int, rng: random.Random) -> StepFigures:
+    """Steps that prefill a full token budget of fresh prompts (no prefix-cache hits)."""
+    figures = StepFigures()
+    budget = llm.engine.scheduler.max_num_batched_tokens
+    for _ in range(repeats):
+        for i in range(budget // prompt_len):
+            prompt = [rng.randrange(1000, 40000) for _ in range(prompt_len)]
+            llm.engine.add_request(f"p{rng.random()}-{i}", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+        seconds, tally, threads = one_step(llm)
+        figures.seconds.append(seconds)
+        figures.tallies.append(tally)
+        figures.threads.append(threads)
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+    return figures
+
+
+def decode_steps(llm: LLM, num_seqs: int, prompt_len: int, repeats: int, rng: random.Random) -> StepFigures:
+    """Decode steps of `num_seqs` sequences at about `prompt_len` tokens of context."""
+    params = SamplingParams(max_tokens=repeats + 8, ignore_eos=True, temperature=0.0)
+    for i in range(num_seqs):
+        llm.engine.add_request(f"d{i}", [rng.randrange(1000, 40000) for _ in range(prompt_len)], params)
+    while llm.engine.scheduler.stats(0, {}).num_waiting:  # every prompt prefilled
+        llm.engine.step()
+    for _ in range(4):  # the first decode steps of a batch teach the thread chooser its size
+        llm.engine.step()
+    figures = StepFigures()
+    for _ in range(repeats):
+        seconds, tally, threads = one_step(llm)
+        figures.seconds.append(seconds)
+        figures.tallies.append(tally)
+        figures.threads.append(threads)
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    return figures
+
+
+def row(name: str, figures: StepFigures, gemm_peak_gflops: float, read_peak_gbs: float) -> str:
+    """The median step's figures. Attention's bandwidth means something for decode only: a prompt's attention
+    is arithmetic on a short context, not a read of it."""
+    median = figures.seconds.index(sorted(figures.seconds)[len(figures.seconds) // 2])
+    step, pick = figures.seconds[median], figures.tallies[median]
+    gemm_rate = pick.gemm_flop / pick.gemm_s / 1e9
+    attention_rate = pick.attention_bytes / pick.attention_s / 1e9
+    neither = step - pick.gemm_s - pick.attention_s - pick.write_kv_s
+    return (
+        f"| {name} | {figures.threads[median]} | {step * 1e3:.1f} ms | {pick.gemm_s * 1e3:.1f} ms, "
+        f"{gemm_rate:.0f} GFLOP/s ({100 * gemm_rate / gemm_peak_gflops:.0f}% of peak) | "
+        f"{pick.attention_s * 1e3:.1f} ms, {attention_rate:.1f} GB/s ({100 * attention_rate / read_peak_gbs:.0f}% "
+        f"of peak) | {pick.write_kv_s * 1e3:.1f} ms | {neither * 1e3:.1f} ms ({100 * neither / step:.0f}%) |"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--decode-seqs", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    gemm_peak_gflops, read_peak_gbs = gemm_peak(), read_peak()
+    llm = LLM()
+    instrument()
+    rng = random.Random(0)
+    prefill = prefill_steps(llm, args.prompt_len, args.repeats, rng)
+    decode = decode_steps(llm, args.decode_seqs, args.prompt_len, args.repeats, rng)
+    print(f"peaks: bf16 GEMM {gemm_peak_gflops:.0f} GFLOP/s (prepacked 2048³), read {read_peak_gbs:.1f} GB/s")
+    print(f"dtype: {llm.engine.config.torch_dtype}; threads: as the engine chose for the step")
+    print("| step | threads | time | GEMMs | attention | write_kv | neither |")
+    print("|---|---|---|---|---|---|---|")
+    budget = llm.engine.scheduler.max_num_batched_tokens
+    print(row(f"prefill, {budget} prompt tokens", prefill, gemm_peak_gflops, read_peak_gbs))
+    print(
+        row(
+            f"decode, {args.decode_seqs} sequences at ~{args.prompt_len} tokens",
+            decode,
+            gemm_peak_gflops,
+            read_peak_gbs,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
