@@ -119,6 +119,17 @@ class ServeOptions:
         "how chat replies' tool calls are read; auto: llama3_json for Llama 3 templates, else hermes",
         choices=("auto", "hermes", "llama3_json"),
     )
+    # What one request may ask for: over these, a 400 names the field and the flag.
+    max_n: int = option(16, "largest n and best_of (and beam width): the sequences one prompt may run at once")
+    max_logprobs: int = option(20, "largest logprobs, top_logprobs and prompt_logprobs (vLLM's --max-logprobs)")
+    max_stop: int = option(64, "most stop strings, and most stop_token_ids, in one request")
+    max_stop_len: int = option(1024, "longest stop string, in characters")
+
+    def __post_init__(self) -> None:
+        for name in ("max_n", "max_stop", "max_stop_len"):
+            _require_positive(name, getattr(self, name))
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be a non-negative integer, got {self.max_logprobs!r}")
 
     def model_names(self, model: str | Path | None) -> tuple[str, ...]:
         return self.served_model_names or (str(model) if model is not None else DEFAULT_SERVED_NAME,)

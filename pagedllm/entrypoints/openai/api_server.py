@@ -33,7 +33,7 @@ from pagedllm.entrypoints.openai.async_engine import AsyncLLMEngine
 from pagedllm.entrypoints.openai.kv_page import mount_kv_page
 from pagedllm.entrypoints.openai.metrics import METRICS_CONTENT_TYPE, ServerMetrics
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
-from pagedllm.entrypoints.openai.serving_common import ApiError, OpenAIServing, RenderChat
+from pagedllm.entrypoints.openai.serving_common import ApiError, OpenAIServing, RenderChat, ServingLimits
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 
 _GENERATING_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
@@ -102,8 +102,9 @@ def build_app(engine: AsyncLLMEngine, render_chat: RenderChat, options: ServeOpt
         await engine.shutdown()
 
     names = options.served_model_names
-    completion = OpenAIServingCompletion(engine, render_chat, names)
-    chat = OpenAIServingChat(engine, render_chat, names, options.tool_call_parser)
+    limits = ServingLimits.from_options(options)
+    completion = OpenAIServingCompletion(engine, render_chat, names, limits=limits)
+    chat = OpenAIServingChat(engine, render_chat, names, options.tool_call_parser, limits=limits)
     info = _ServingInfo(engine, render_chat, names)
     app = FastAPI(title="pagedllm", lifespan=lifespan)
     app.post("/v1/completions")(completion.create)
@@ -161,6 +162,7 @@ class _ServingInfo(OpenAIServing):
         return JSONResponse({"status": status, "num_waiting": engine.num_waiting, "max_waiting": engine.max_waiting})
 
     async def metrics(self) -> Response:
+        await self.engine.refresh_stats()
         return Response(self.engine.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
 

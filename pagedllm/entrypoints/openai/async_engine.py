@@ -33,6 +33,7 @@ from pagedllm.entrypoints.openai.engine_core import (
     Ready,
     Refusal,
     Stats,
+    StatsRequest,
     StepOutputs,
     Stop,
     run_engine_core,
@@ -45,6 +46,7 @@ from pagedllm.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 _JOIN_TIMEOUT_S = 5.0
+_STATS_TIMEOUT_S = 5.0
 
 Item = RequestOutput | BaseException
 EngineParams = SamplingParams | BeamSearchParams
@@ -220,6 +222,17 @@ class AsyncLLMEngine:
             self._raise(refusal)
         return group
 
+    async def refresh_stats(self) -> None:
+        """Bring the engine gauges up to date: the core answers after the commands sent before this one (an
+        abort the server just sent is in them), at most a step from now. A dead core leaves them as they are."""
+        if not self.is_running:
+            return
+        key = next(self._keys)
+        try:
+            await asyncio.wait_for(self._ask(key, StatsRequest(key)), _STATS_TIMEOUT_S)
+        except TimeoutError:
+            logger.warning("the engine core did not report its stats within %.0f s", _STATS_TIMEOUT_S)
+
     def drain(self, grace_seconds: float) -> None:
         """Refuse new requests, let running ones finish for `grace_seconds`, then abort what is left (their
         clients get a last output with finish reason "abort"). Safe to call from a signal handler."""
@@ -313,19 +326,23 @@ class AsyncLLMEngine:
                     self._dispatch(output, when)
                 for request_id, why in failures.items():
                     self._fail(request_id, why)
-            case Stats(stats):
+            case Stats(stats, key):
                 self.metrics.observe_engine(stats)
+                self._answer(key, None)
             case KVUpdate():
                 self.kv_monitor.on_update(message)
             case Added(key, refusal) | Compiled(key, refusal):
-                answer = self._pending.get(key)
-                if answer is not None and not answer.done():
-                    answer.set_result(refusal)
+                self._answer(key, refusal)
             case Fatal(refusal):
                 logger.error("the engine cannot continue: %s", refusal.message)
                 self._die(f"the engine cannot continue: {refusal.message}")
             case _:
                 logger.error("unexpected message from the engine core: %r", message)
+
+    def _answer(self, key: int | None, refusal: Refusal | None) -> None:
+        answer = self._pending.get(key) if key is not None else None
+        if answer is not None and not answer.done():
+            answer.set_result(refusal)
 
     def _on_core_exit(self) -> None:
         if self._stopping or self._dead:

@@ -6,9 +6,10 @@ for the thread the event loop preempted. In a process of its own the engine owns
 and the HTTP side costs it only the messages below, pickled over one pipe (as vLLM v1's engine core does
 over a socket).
 
-The server's process sends `AddRequests`, `Compile`, `Abort`, `KVWatch` and `Stop`; the core answers with
-`Ready` once, then `Added` and `Compiled` (a refusal carries its message), `StepOutputs` after every step
-that moved a request, `Stats` (throttled while busy, always when it falls idle or after an abort),
+The server's process sends `AddRequests`, `Compile`, `Abort`, `StatsRequest`, `KVWatch` and `Stop`; the core
+answers with `Ready` once, then `Added` and `Compiled` (a refusal carries its message), `StepOutputs` after
+every step that moved a request, `Stats` (throttled while busy, always when it falls idle or after an abort,
+and in answer to a `StatsRequest`),
 `KVUpdate` (snapshots and KV events for the /kv page, see `kv_page.KVPublisher`) and `Fatal` when the
 engine cannot go on. The core exits when told to stop, when the engine dies, or when its pipe closes
 (the server's process is gone).
@@ -59,6 +60,11 @@ class Compile:
 @dataclass(frozen=True, slots=True)
 class Abort:
     request_ids: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class StatsRequest:
+    key: int  # echoed in the `Stats` answer
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +123,7 @@ class StepOutputs:
 @dataclass(frozen=True, slots=True)
 class Stats:
     stats: EngineStats
+    key: int | None = None  # the `StatsRequest` answered, if any
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,6 +209,8 @@ class EngineCore:
                 self._compiler.submit(self._engine.compile_constraint, params).add_done_callback(
                     lambda done, key=key: self.send(Compiled(key, _refusal(done)))
                 )
+            case StatsRequest(key):
+                self.send(Stats(self._engine.stats(), key))
             case KVWatch():
                 self._kv.watch(message)
             case Stop():

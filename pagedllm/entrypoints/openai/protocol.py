@@ -1,7 +1,9 @@
 """Request and response bodies of the OpenAI-compatible server: OpenAI's fields plus vLLM's extras.
 
-Requests are validated strictly (no "5" for 5, no true for 1) and unknown fields are refused, so a typo
-fails loudly with the field's name instead of being ignored.
+Requests are validated strictly (no "5" for 5, no true for 1, no NaN or Infinity, no half of a surrogate
+pair in a string) and unknown fields are refused, so a typo fails loudly with the field's name instead of
+being ignored. The limits the server's flags set (n, logprobs, stop strings) are checked by the serving
+classes, which know them; the bounds here are those of the types.
 """
 
 from __future__ import annotations
@@ -21,8 +23,25 @@ from pydantic import (
 
 from pagedllm.sampling_params import MAX_LOGIT_BIAS
 
-MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs; vLLM's default max_logprobs
-MAX_N = 128  # each sample is a sequence in the engine: refuse requests that would flood it
+# The sampler divides logits by the temperature in float32: past its range (3.4e38) a temperature is inf,
+# and a banned token's -inf / inf is NaN, which fails the request. OpenAI allows 2; at 100 a model's distribution
+# is already close to uniform.
+MAX_TEMPERATURE = 100.0
+# A repetition penalty divides the positive logits of repeated tokens and multiplies the negative ones: far
+# from 1 (1e-40, 1e300) they become ±inf and the sampler's probabilities NaN. Past these bounds it can only
+# force or ban repetition, which a hundredfold already does.
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+# top_p is compared in float32, where below about 1e-45 it is 0, which keeps no token at all; from 1e-9 down,
+# every top_p keeps only the most likely token anyway (no vocabulary has a billion tokens).
+MIN_TOP_P = 1e-9
+# Seeds become torch generator seeds, which are 64-bit (seed + sample index must fit too); vLLM's range.
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
+# Beam scores divide by length ** length_penalty, which overflows (or underflows to 0) past about ±60 at a
+# 128k context; ±10 already makes length dominate any difference in log-probability.
+MAX_LENGTH_PENALTY = 10.0
+# A top_k at or past the vocabulary means no truncation; this bound, far past any vocabulary, keeps numbers such
+# as 2**70 from travelling on to the engine, whose tensors could not hold them.
+MAX_TOP_K = 2**31 - 1
 
 TokenId = Annotated[int, Field(ge=0)]
 JsonSchema = dict[str, Any]
@@ -37,25 +56,34 @@ def _check_prompt_shape(value: object) -> object:
             return value
         if all(isinstance(p, list) and p and _is_token_ids(p) for p in value):
             return value
-    raise ValueError("prompt must be a string, a non-empty list of strings, of token ids, or of token-id lists")
+    raise ValueError(
+        "prompt must be a string, a non-empty list of strings, of token ids (non-negative integers), "
+        "or of token-id lists"
+    )
 
 
 def _is_token_ids(value: list) -> bool:
     return all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
 
 
-PromptField = Annotated[str | list[str] | list[int] | list[list[int]], BeforeValidator(_check_prompt_shape)]
+# The union's members carry their bounds too, so that the OpenAPI schema says what is accepted.
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+PromptField = Annotated[
+    str | Annotated[list[str], Field(min_length=1)] | TokenIds | Annotated[list[TokenIds], Field(min_length=1)],
+    BeforeValidator(_check_prompt_shape),
+]
 
 
 def _token_id_keys(value: object) -> object:
-    """OpenAI's logit_bias is a JSON object, so its token ids arrive as strings: '42' -> 42, range checked."""
+    """OpenAI's logit_bias is a JSON object, so its token ids arrive as strings: '42' -> 42, range checked
+    (`not <=` so that NaN, which compares false, is out of range too)."""
     if not isinstance(value, dict):
         return value
     bias = {}
     for key, number in value.items():
         if not (isinstance(key, str) and key.isascii() and key.isdigit()):
             raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
-        if isinstance(number, bool) or not isinstance(number, int | float) or abs(number) > MAX_LOGIT_BIAS:
+        if isinstance(number, bool) or not isinstance(number, int | float) or not abs(number) <= MAX_LOGIT_BIAS:
             raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {number!r} for token {key}")
         bias[int(key)] = number
     return bias
@@ -65,7 +93,34 @@ LogitBias = Annotated[dict[int, float], BeforeValidator(_token_id_keys)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _encodable(cls, value: object) -> object:
+        """JSON can escape half of a surrogate pair ("\\ud800"), which Python keeps in a str but no UTF-8 text
+        holds: the tokenizer, and the encoder of any reply that quotes it, would fail on it with a 500."""
+        if _has_lone_surrogate(value):
+            raise ValueError("strings must be valid Unicode, without a lone surrogate such as \\ud800")
+        return value
+
+
+def _has_lone_surrogate(value: object) -> bool:
+    # A loop rather than recursion: the body may nest as deep as the JSON parser allowed.
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            try:
+                item.encode()
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+    return False
 
 
 class StreamOptions(_Strict):
@@ -109,20 +164,20 @@ class SamplingRequest(_Strict):
     """Fields that completions and chat completions share."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
-    temperature: float | None = Field(None, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE)
+    top_p: float = Field(1.0, ge=MIN_TOP_P, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM's extras
-    top_k: int = Field(0, ge=-1)
+    top_k: int = Field(0, ge=-1, le=MAX_TOP_K)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[TokenId] | None = None
@@ -138,9 +193,9 @@ class SamplingRequest(_Strict):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     # vLLM's prompt logprobs and beam search extras
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0)
     use_beam_search: bool = False
-    length_penalty: float = 1.0
+    length_penalty: float = Field(1.0, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY)
 
     @field_validator("prompt_logprobs")
     @classmethod
@@ -160,13 +215,27 @@ class SamplingRequest(_Strict):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else self.stop or []
+
+    @property
+    def sample_counts(self) -> dict[str, int | None]:
+        """The fields that count the sequences one prompt runs (bounded by the server's --max-n)."""
+        return {"n": self.n}
+
+    @property
+    def logprob_counts(self) -> dict[str, int | None]:
+        """The fields that count log-probabilities per token (bounded by the server's --max-logprobs)."""
+        return {"prompt_logprobs": self.prompt_logprobs}
+
 
 class CompletionRequest(SamplingRequest):
     prompt: PromptField
     max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0)
     echo: bool = False
-    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    best_of: int | None = Field(None, ge=1)
 
     @field_validator("best_of")
     @classmethod
@@ -174,6 +243,19 @@ class CompletionRequest(SamplingRequest):
         if value is not None and value != info.data.get("n", 1) and info.data.get("stream"):
             raise ValueError("best_of other than n cannot be streamed: the best are known only at the end")
         return value
+
+    @property
+    def sample_counts(self) -> dict[str, int | None]:
+        return {"n": self.n, "best_of": self.best_of}
+
+    @property
+    def logprob_counts(self) -> dict[str, int | None]:
+        return {"logprobs": self.logprobs, "prompt_logprobs": self.prompt_logprobs}
+
+    @property
+    def max_output(self) -> tuple[str, int | None]:
+        """The field that caps the output's tokens, and its value (None: up to the model's length)."""
+        return "max_tokens", self.max_tokens
 
 
 class TextPart(_Strict):
@@ -270,7 +352,7 @@ class ChatCompletionRequest(SamplingRequest):
     max_tokens: int | None = Field(None, ge=1)  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0)
     add_generation_prompt: bool = True
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -282,6 +364,17 @@ class ChatCompletionRequest(SamplingRequest):
         if value is not None and not info.data.get("logprobs"):
             raise ValueError("top_logprobs requires logprobs to be true")
         return value
+
+    @property
+    def logprob_counts(self) -> dict[str, int | None]:
+        return {"top_logprobs": self.top_logprobs, "prompt_logprobs": self.prompt_logprobs}
+
+    @property
+    def max_output(self) -> tuple[str, int | None]:
+        """max_completion_tokens, or the max_tokens it replaces, and its value (None: up to the model's length)."""
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return "max_tokens", self.max_tokens
 
 
 class TokenizeRequest(_Strict):

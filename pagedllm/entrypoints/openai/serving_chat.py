@@ -32,10 +32,11 @@ class OpenAIServingChat(common.OpenAIServing):
 
     async def create(self, body: protocol.ChatCompletionRequest, request: Request) -> Response:
         call = self._call("chatcmpl", body.model)
+        self._check(body)
         tools = self._tool_use(body)
         prompt = self._render(body.messages, body.add_generation_prompt, tools.offered)
         constraint = common.constraint(body, *filter(None, [tools.constraint]))
-        max_tokens = body.max_completion_tokens or body.max_tokens
+        _, max_tokens = body.max_output
         top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         if body.use_beam_search:
             params = common.beam_params(body, constraint, max_tokens or self._room([prompt]))

@@ -1,6 +1,6 @@
-"""What the endpoints share: errors in OpenAI's shape, the model check, the chat template, sampling (or beam
-search) parameters and constraints from a request, adding requests to the engine, and their outputs as one
-response or as a stream of server-sent events."""
+"""What the endpoints share: errors in OpenAI's shape, the model check, the server's limits on a request, the
+chat template, sampling (or beam search) parameters and constraints from a request, adding requests to the
+engine, and their outputs as one response or as a stream of server-sent events."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
 import jinja2
@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
 from pagedllm.beam_search import BeamSearchParams
+from pagedllm.config import ServeOptions
 from pagedllm.entrypoints.openai import protocol, tool_parsers
 from pagedllm.entrypoints.openai.async_engine import (
     AsyncLLMEngine,
@@ -33,6 +34,7 @@ _SHARED_SAMPLING_FIELDS = [spec.name for spec in fields(SamplingParams) if spec.
 Reply = TypeVar("Reply", bound=BaseModel)  # a whole response, or one chunk of a stream
 RenderChat = Callable[[list[dict[str, Any]], bool, list[dict] | None], dict]
 EngineParams = SamplingParams | BeamSearchParams
+GenerateRequest = protocol.CompletionRequest | protocol.ChatCompletionRequest
 # Fields beam search has no use for: given with use_beam_search, they would be ignored, so they are refused.
 _NOT_WITH_BEAMS = (
     "best_of",
@@ -67,6 +69,41 @@ class ApiError(Exception):
 
 
 @dataclass(frozen=True, slots=True)
+class ServingLimits:
+    """What one request may ask for beyond what its fields' types allow: each is the `pagedllm serve` flag of
+    ServeOptions' field of the same name, and a request over one is refused naming the field and the flag."""
+
+    max_n: int
+    max_logprobs: int
+    max_stop: int
+    max_stop_len: int
+
+    @classmethod
+    def from_options(cls, options: ServeOptions) -> ServingLimits:
+        return cls(**{spec.name: getattr(options, spec.name) for spec in fields(cls)})
+
+    def check(self, body: protocol.SamplingRequest) -> None:
+        for param, count in body.sample_counts.items():
+            self._at_most(param, count, "max_n")
+        for param, count in body.logprob_counts.items():
+            self._at_most(param, count, "max_logprobs")
+        self._at_most("stop", len(body.stop_strings), "max_stop", "the number of stop strings")
+        self._at_most("stop_token_ids", len(body.stop_token_ids or ()), "max_stop", "the number of stop_token_ids")
+        longest = max(map(len, body.stop_strings), default=0)
+        self._at_most("stop", longest, "max_stop_len", "the length of a stop string")
+
+    def _at_most(self, param: str, value: int | None, limit: str, what: str | None = None) -> None:
+        bound = getattr(self, limit)
+        if value is not None and value > bound:
+            flag = "--" + limit.replace("_", "-")
+            message = f"{what or param} must be less than or equal to {bound}, the server's limit ({flag}); got {value}"
+            raise ApiError(400, message, param=param)
+
+
+DEFAULT_LIMITS = ServingLimits.from_options(ServeOptions())
+
+
+@dataclass(frozen=True, slots=True)
 class Call:
     """What every response and chunk of one API call repeats."""
 
@@ -85,9 +122,26 @@ class OpenAIServing:
     engine: AsyncLLMEngine
     render_chat: RenderChat
     names: tuple[str, ...]  # the served model names; the first is the default
+    # Keyword-only, so that subclasses' own fields keep their places in the constructor's arguments.
+    limits: ServingLimits = field(default=DEFAULT_LIMITS, kw_only=True)
 
     def _call(self, prefix: str, model: str | None) -> Call:
         return Call(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), self._model(model))
+
+    def _check(self, body: GenerateRequest) -> None:
+        """Refuse, naming the field, what the server's limits or the model rule out before any prompt is read."""
+        self.limits.check(body)
+        for param, tokens in (body.max_output, ("min_tokens", body.min_tokens)):
+            # Not the prompt's fault: even a one-token prompt would leave no room for this many.
+            if tokens is not None and tokens >= self.engine.max_model_len:
+                message = f"{param} must be less than max_model_len ({self.engine.max_model_len}); got {tokens}"
+                raise ApiError(400, message, param=param)
+        # The vocabulary is the tokenizer's: a stop token id past it would index the logits out of bounds.
+        vocab = len(self.engine.tokenizer)
+        outside = [token for token in body.stop_token_ids or () if token >= vocab]
+        if outside:
+            message = f"stop_token_ids: token id {outside[0]} is outside the vocabulary [0, {vocab})"
+            raise ApiError(400, message, param="stop_token_ids")
 
     def _model(self, requested: str | None) -> str:
         if requested is None:

@@ -17,6 +17,7 @@ from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 class OpenAIServingCompletion(common.OpenAIServing):
     async def create(self, body: protocol.CompletionRequest, request: Request) -> Response:
         call = self._call("cmpl", body.model)
+        self._check(body)
         prompts = _prompt_list(body.prompt)
         constraint = common.constraint(body)
         if body.use_beam_search:
