@@ -175,9 +175,11 @@ class LLMEngine:
         return SequenceGroup(request_id, text, token_ids, [seq])
 
     def _check_logit_bias(self, params: SamplingParams) -> None:
-        bad = [t for t in params.logit_bias or () if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        """Token ids the sampler indexes the logits with must lie in the model's vocabulary."""
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
 
     def _queue(self, group: SequenceGroup) -> None:
         self.requests[group.request_id] = group

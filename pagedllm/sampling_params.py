@@ -10,6 +10,9 @@ from dataclasses import dataclass
 # Temperatures below this are treated as 0 (greedy), as in vLLM: dividing logits by a tiny temperature
 # overflows to inf/nan instead of approaching argmax.
 _SAMPLING_EPS = 1e-5
+_MAX_TEMPERATURE = 100.0
+_MIN_TOP_P = 1e-9
+_MIN_REPETITION_PENALTY = 0.01
 
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
@@ -132,10 +135,12 @@ class SamplingParams:
             raise ValueError(f"best_of must be at least n={self.n}, got {self.best_of}")
         if self.best_of is not None and self.best_of > self.n and self.temperature < _SAMPLING_EPS:
             raise ValueError("best_of must equal n when sampling greedily (temperature 0)")
-        if self.temperature < 0.0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        # The sampler works in float32: past these bounds logits overflow to inf (and then NaN), and a top_p
+        # below float32's smallest number is 0, which keeps no token.
+        if not 0.0 <= self.temperature <= _MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be in [0, {_MAX_TEMPERATURE:g}], got {self.temperature}")
+        if not _MIN_TOP_P <= self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in [{_MIN_TOP_P:g}, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be 0 or -1 (disable) or at least 1, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
@@ -144,8 +149,13 @@ class SamplingParams:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if self.repetition_penalty <= 0.0:
-            raise ValueError(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}")
+        if not _MIN_REPETITION_PENALTY <= self.repetition_penalty <= 1 / _MIN_REPETITION_PENALTY:
+            raise ValueError(
+                f"repetition_penalty must be in [{_MIN_REPETITION_PENALTY:g}, {1 / _MIN_REPETITION_PENALTY:g}], "
+                f"got {self.repetition_penalty}"
+            )
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.min_tokens < 0:

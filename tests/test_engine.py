@@ -90,6 +90,15 @@ def test_bad_prompts_are_refused_and_nothing_is_left_behind(llm, prompt, message
     assert llm.generate("hello", greedy(3), use_tqdm=False)[0].outputs[0].token_ids
 
 
+@pytest.mark.parametrize("field", ["stop_token_ids", "logit_bias"])
+def test_token_ids_the_sampler_indexes_with_must_be_in_the_vocabulary(llm, field):
+    """Once a stop token id past the vocabulary reached the sampler's ban with min_tokens (an IndexError)."""
+    params = {"stop_token_ids": [100000], "min_tokens": 2} if field == "stop_token_ids" else {"logit_bias": {100000: 1}}
+    with pytest.raises(ValueError, match=f"{field} token id 100000 is outside the vocabulary"):
+        llm.generate("hello", greedy(4, **params), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_prompt_forms_are_equivalent(llm):
     ids = llm.get_tokenizer().encode("A block table maps logical blocks")
     outs = llm.generate(["A block table maps logical blocks", ids, {"prompt_token_ids": ids}], greedy(), use_tqdm=False)

@@ -85,7 +85,7 @@ def test_invalid_value_names_field(field: str, value: object) -> None:
 
 
 def test_error_message_reports_value() -> None:
-    with pytest.raises(ValueError, match=r"temperature must be non-negative, got -1.0"):
+    with pytest.raises(ValueError, match=r"temperature must be in \[0, 100\], got -1.0"):
         SamplingParams(temperature=-1)
 
 
@@ -121,7 +121,7 @@ def test_sample_seed() -> None:
 
 @given(st.floats(allow_nan=False, allow_infinity=False, min_value=-10, max_value=10))
 def test_top_p_range_property(top_p: float) -> None:
-    if 0.0 < top_p <= 1.0:
+    if 1e-9 <= top_p <= 1.0:  # below 1e-9 float32 sampling would keep no token
         assert SamplingParams(top_p=top_p).top_p == top_p
     else:
         with pytest.raises(ValueError, match="top_p"):
@@ -136,3 +136,18 @@ def test_token_count_rules_property(min_tokens: int, max_tokens: int | None) -> 
     else:
         with pytest.raises(ValueError, match="_tokens"):
             SamplingParams(min_tokens=min_tokens, max_tokens=max_tokens)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("temperature", 1e300), ("top_p", 5e-324), ("repetition_penalty", 1e-40), ("repetition_penalty", 1e40)],
+)
+def test_values_float32_sampling_cannot_represent_are_refused(field: str, value: float) -> None:
+    """Each once reached the sampler and made NaN logits (or kept no token): now a ValueError naming it."""
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_a_seed_past_64_bits_is_refused() -> None:
+    with pytest.raises(ValueError, match="seed must fit in 64 bits"):
+        SamplingParams(seed=2**70)
