@@ -2,6 +2,6 @@ import sys
 
 from pagedllm.cli import main
 
-# Guarded: the server's engine core is a spawned process, which imports this module again.
+# Guarded: importing this module (as multiprocessing's spawn does) must not run the CLI.
 if __name__ == "__main__":
     sys.exit(main())

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 from pagedllm.benchmarks.memory import add_bench_memory_args, run_bench_memory
 from pagedllm.benchmarks.serve import add_bench_serve_args, run_bench_serve
+from pagedllm.benchmarks.soak import add_bench_soak_args, run_bench_soak
 from pagedllm.benchmarks.structured import add_bench_structured_args, run_bench_structured
 from pagedllm.benchmarks.throughput import add_bench_throughput_args, run_bench_throughput
 from pagedllm.config import EngineConfig, ServeOptions, add_dataclass_args, option_values
@@ -131,6 +132,11 @@ def make_parser() -> argparse.ArgumentParser:
     bench_serve = benchmarks.add_parser("serve", help="load-test an OpenAI-compatible server (pagedllm's, vLLM's)")
     add_bench_serve_args(bench_serve)
     bench_serve.set_defaults(handler=run_bench_serve)
+    bench_soak = benchmarks.add_parser(
+        "soak", help="a seeded mix of clients, some misbehaving, then checks the server is back at rest"
+    )
+    add_bench_soak_args(bench_soak)
+    bench_soak.set_defaults(handler=run_bench_soak)
     bench_memory = benchmarks.add_parser("memory", help="KV memory utilization: paged vs contiguous allocators")
     add_bench_memory_args(bench_memory)
     bench_memory.set_defaults(handler=run_bench_memory)

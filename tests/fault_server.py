@@ -2,8 +2,7 @@
 through a tokenizer that raises on text containing MARKER, as a detokenizer bug would for one request's
 tokens. It lets tests show that a failure inside `LLMEngine.step` fails only the request it belongs to.
 
-The engine runs in the server's spawned engine-core process, which imports this file again as `__mp_main__`
-with the same `sys.argv`: the faults are injected there, at import, where the engine is built."""
+The engine runs in the server's engine-core process, forked from this one: it inherits the patched class."""
 
 from __future__ import annotations
 
@@ -43,8 +42,7 @@ def inject_faults(marker: str) -> None:
     LLM.__init__ = build_faulty
 
 
-if __name__ == "__mp_main__":
-    inject_faults(sys.argv[1])
 if __name__ == "__main__":
     marker, *serve_args = sys.argv[1:]
+    inject_faults(marker)
     sys.exit(main(["serve", *serve_args]))

@@ -16,7 +16,7 @@ import httpx
 
 from pagedllm.models.default import default_model_file
 from tests.test_server import ServerProcess, sse_data, start_server, stop_server
-from tests.test_tensor_parallel import children_of, cmdline
+from tests.test_tensor_parallel import children_of
 
 KEY = "sk-limits"
 
@@ -90,6 +90,15 @@ def half_sent_request(server: ServerProcess) -> tuple[socket.socket, bytes]:
     return sock, body[5:]
 
 
+def read_response(sock: socket.socket) -> str:
+    """Everything the server sends until it closes the connection (as it does while shutting down)."""
+    sock.settimeout(10)
+    received = b""
+    while chunk := sock.recv(65536):
+        received += chunk
+    return received.decode()
+
+
 def test_sigterm_refuses_new_requests_finishes_short_ones_and_aborts_at_the_grace_period(tmp_path):
     """Grace 5 s: a request one token from its end finishes ("length"), a long one is cut ("abort") no sooner
     than the grace period, a request that arrives meanwhile gets 503, and the server exits 0."""
@@ -108,7 +117,7 @@ def test_sigterm_refuses_new_requests_finishes_short_ones_and_aborts_at_the_grac
     server.process.send_signal(signal.SIGTERM)
     time.sleep(0.5)
     late.sendall(rest)
-    answer = late.recv(65536).decode()
+    answer = read_response(late)
     short_thread.join(30)
     long_thread.join(30)
     long_ended = time.monotonic() - signalled
@@ -140,7 +149,7 @@ def test_when_the_engine_core_dies_its_requests_fail_and_the_server_exits_1(tmp_
         while server.metric("pagedllm:generation_tokens_total") < 10:
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        (core,) = [pid for pid in children_of(server.process.pid) if b"spawn_main" in cmdline(pid)]
+        (core,) = children_of(server.process.pid)  # the engine core, forked from the server
         os.kill(core, signal.SIGKILL)
         for thread in threads:
             thread.join(30)
