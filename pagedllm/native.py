@@ -102,10 +102,24 @@ def _load(source: Path) -> ctypes.CDLL:
 
 
 def _library_key(source: Path, compiler: str) -> str:
+    """The source, its headers, the compiler and flags, and the CPU's instruction sets: built with
+    -march=native, a library from one machine must never be loaded on another that lacks its instructions
+    (a cache folder on a shared home directory)."""
     key = hashlib.sha256(source.read_bytes() + " ".join((compiler, *FLAGS)).encode())
     for header in sorted(CSRC_DIR.glob("*.h")):
         key.update(header.read_bytes())
+    key.update(cpu_flags().encode())
     return f"{source.stem}-{key.hexdigest()[:16]}"
+
+
+def cpu_flags() -> str:
+    """The CPU's feature flags, sorted ('' where /proc/cpuinfo cannot be read)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    flags = next((line.split(":", 1)[1] for line in lines if line.startswith("flags")), "")
+    return " ".join(sorted(flags.split()))
 
 
 def _compile(source: Path, compiler: str, out_dir: Path) -> dict[str, Any]:

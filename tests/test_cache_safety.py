@@ -249,3 +249,14 @@ def test_damaged_library_is_detected_and_rebuilt(
     gate_up = np.random.default_rng(0).standard_normal((3, 16)).astype(np.float32)
     gate, up = gate_up[:, :8], gate_up[:, 8:]
     np.testing.assert_allclose(silu_mul(lib, gate_up), gate / (1 + np.exp(-gate)) * up, rtol=1e-5, atol=1e-6)
+
+
+def test_a_library_built_for_one_cpu_is_not_found_on_another(monkeypatch: pytest.MonkeyPatch) -> None:
+    """-march=native: the cache key carries the CPU's instruction sets, so a shared cache folder never hands
+    a library to a machine that lacks them."""
+    source = native.CSRC_DIR / "fused_ops.c"
+    here = native._library_key(source, "gcc")
+    assert native._library_key(source, "gcc") == here  # stable on one machine
+    monkeypatch.setattr(native, "cpu_flags", lambda: "avx2 fma sse4_2")
+    other = native._library_key(source, "gcc")
+    assert other != here and other.startswith("fused_ops-")
