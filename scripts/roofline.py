@@ -39,6 +39,13 @@ class StepFigures:
     tallies: list[Tally] = field(default_factory=list)
     threads: list[int] = field(default_factory=list)
 
+    def measure(self, llm: LLM) -> None:
+        """Run one step of `llm` and keep its figures."""
+        seconds, tally, threads = one_step(llm)
+        self.seconds.append(seconds)
+        self.tallies.append(tally)
+        self.threads.append(threads)
+
 
 TALLY = Tally()
 
@@ -120,10 +127,7 @@ def prefill_steps(llm: LLM, prompt_len: int, repeats: int, rng: random.Random) -
         for i in range(budget // prompt_len):
             prompt = [rng.randrange(1000, 40000) for _ in range(prompt_len)]
             llm.engine.add_request(f"p{rng.random()}-{i}", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
-        seconds, tally, threads = one_step(llm)
-        figures.seconds.append(seconds)
-        figures.tallies.append(tally)
-        figures.threads.append(threads)
+        figures.measure(llm)
         while llm.engine.has_unfinished_requests():
             llm.engine.step()
     return figures
@@ -140,10 +144,7 @@ def decode_steps(llm: LLM, num_seqs: int, prompt_len: int, repeats: int, rng: ra
         llm.engine.step()
     figures = StepFigures()
     for _ in range(repeats):
-        seconds, tally, threads = one_step(llm)
-        figures.seconds.append(seconds)
-        figures.tallies.append(tally)
-        figures.threads.append(threads)
+        figures.measure(llm)
     while llm.engine.has_unfinished_requests():
         llm.engine.step()
     return figures

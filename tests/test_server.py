@@ -327,6 +327,15 @@ def test_a_failure_inside_the_engine_fails_only_that_request(server, client):
 # ---- bad input ----------------------------------------------------------------------------------
 
 
+def assert_refused(response: httpx.Response, param: str | None, words: str) -> None:
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert words in error["message"]
+
+
 @pytest.mark.parametrize(
     ("path", "body", "param", "words"),
     [
@@ -354,12 +363,7 @@ def test_bad_input_is_a_400_naming_the_field(server, path, body, param, words):
         response = httpx.post(f"{server.url}{path}", content=body, headers=AUTH | {"content-type": "application/json"})
     else:
         response = post(server, path, body)
-    assert response.status_code == 400, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert error["type"] == "invalid_request_error"
-    assert error["param"] == param
-    assert words in error["message"]
+    assert_refused(response, param, words)
 
 
 def test_unknown_model_is_a_404(client):

@@ -23,7 +23,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.config import ServeOptions, add_dataclass_args, option_values
 from pagedllm.entrypoints.openai import protocol
 from pagedllm.entrypoints.openai.serving_common import ApiError, ServingLimits
-from tests.test_server import NUM_KV_BLOCKS, ServerProcess, start_server, stop_server
+from tests.test_server import NUM_KV_BLOCKS, ServerProcess, assert_refused, start_server, stop_server
 
 MAX_MODEL_LEN = 128  # short, so that whatever max_tokens the fuzzer picks, its requests end soon
 VOCAB = 384  # the tiny model's
@@ -57,15 +57,6 @@ def send(server: ServerProcess, path: str, body: object) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     headers = {"Content-Type": "application/json"}
     return httpx.post(f"{server.url}{path}", content=content, headers=headers, timeout=60)
-
-
-def assert_refused(response: httpx.Response, param: str | None, words: str) -> None:
-    assert response.status_code == 400, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert error["type"] == "invalid_request_error"
-    assert error["param"] == param
-    assert words in error["message"]
 
 
 def assert_still_correct(server: ServerProcess, expected: str) -> None:
