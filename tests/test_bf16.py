@@ -65,7 +65,9 @@ def test_bf16_greedy_matches_transformers_bf16_up_to_near_ties(tmp_path, head_di
     folder = bf16_model(tmp_path / f"hd{head_dim}", head_dim)
     llm = LLM(model=folder, dtype="bfloat16", num_kv_blocks=256)
     qkv = llm.engine.loaded.model.layers[0].self_attn.qkv_proj
-    assert (qkv.packed is not None) == can_prepack(qkv.weight), "bf16 weights are prepacked wherever oneDNN can"
+    packable = can_prepack(torch.empty(1, 1, dtype=torch.bfloat16))
+    assert (qkv.packed is not None) == packable, "bf16 weights are prepacked wherever oneDNN can"
+    assert qkv.weight.is_meta == packable, "and then held once, packed, not beside their plain copy"
     fast = cpu.has_fast_bf16()
     assert (cpu.kernel_name(torch.bfloat16, head_dim) == "paged_attention_bf16_avx512") == fast
     batch = prompts(llm.engine.vocab_size)

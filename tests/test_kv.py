@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
@@ -93,6 +94,28 @@ def test_kv_pool_tensors_start_zeroed_in_the_documented_layout():
         assert k.shape == v.shape == (5, 4, 3, 8) and k.dtype == torch.bfloat16
         assert not k.any() and not v.any()
     assert shape.blocks_for_memory(10 * shape.bytes_per_block + 1) == 10
+
+
+def test_kv_pool_pages_are_the_size_measured_faster_and_the_pool_is_marked_so():
+    """The pool's mapping is advised huge or base pages, as the fault probe found faster here; the advice
+    is also how `bench soak` tells the pool from the rest of a server's memory."""
+    import torch
+
+    from pagedllm.worker.cache_engine import huge_pages_fault_faster, zeroed
+
+    pool = zeroed((64, 16, 3, 64), torch.bfloat16, "cpu")
+    address, flags = pool.data_ptr(), None
+    start = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            low, high = (int(part, 16) for part in head.split("-"))
+            start = low if low <= address < high else None
+        elif head == "VmFlags:" and start is not None:
+            flags = set(line.split()[1:])
+            break
+    assert flags is not None, "the pool's mapping is in smaps"
+    assert ("hg" in flags) == huge_pages_fault_faster() and ("nh" in flags) != huge_pages_fault_faster()
 
 
 def test_sliding_window_gives_back_blocks_every_query_has_passed():

@@ -58,14 +58,23 @@ class Linear(nn.Module):
         # product is a partial sum that the ranks add up.
         self.reduce = False
 
-    def prepack(self) -> None:
-        """Reorder a CPU weight once into oneDNN's blocked layout (`prepack.py` says where and why)."""
-        if can_prepack(self.weight):
-            self.packed = prepacked(self.weight)
+    def prepack(self, keep_plain: bool = False) -> None:
+        """Reorder a CPU weight once into oneDNN's blocked layout (`prepack.py` says where and why). The plain
+        copy is then let go, so each weight is in memory once, unless `keep_plain`: another module reads it
+        (a tied LM head's weight is the embedding table). The parameter stays, on the meta device, with
+        its shape and dtype."""
+        if self.weight.is_meta or not can_prepack(self.weight):
+            return
+        self.packed = prepacked(self.weight)
+        if not keep_plain:
+            self.weight = nn.Parameter(self.weight.to("meta"), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] > 0:
-            out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.packed is not None:
+            if x.shape[0] == 0:
+                out = x.new_empty((0, self.weight.shape[0]))
+            else:
+                out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         else:
             out = nn.functional.linear(x, self.weight, self.bias)
         return parallel.all_reduce(out) if self.reduce else out
@@ -273,8 +282,12 @@ class CausalLM(nn.Module):
         return self.norm(x, residual)
 
     def prepack(self) -> None:
+        """Prepack every linear weight once, after loading (and sharding): the plain copies go, so this is
+        not done twice."""
         for module in self.modules():
-            if isinstance(module, (Linear, SparseMoeBlock)):
+            if isinstance(module, Linear):
+                module.prepack(keep_plain=module.weight is self.embed_tokens.weight)
+            elif isinstance(module, SparseMoeBlock):
                 module.prepack()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,19 @@ otherwise repacks a bf16 weight on every call, and takes a slower GEMM for float
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+# oneDNN compiles a GEMM primitive (with its JIT code, ~0.6 MiB each on the default model) for every row
+# count and weight shape it sees, and keeps it twice over: in its own cache and in ideep's above it, 1024
+# entries each by default. A server meets steps of every size, so those caches grew its heap by ~500 MiB
+# over a soak. Capped here, before the process runs its first oneDNN operator (a value already in the
+# environment wins): re-creating a primitive costs ~0.5 ms, a step uses five shapes, and 64 entries keep
+# the last dozen step sizes; offline throughput was the same as with 1024 (docs/PERFORMANCE.md).
+PRIMITIVE_CACHE_CAPACITY = 64
+for _variable in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+    os.environ.setdefault(_variable, str(PRIMITIVE_CACHE_CAPACITY))
 
 # The batch size oneDNN picks the blocked layout for. float32, measured on 2 AVX2 cores over the default
 # model's five shapes: a hint of 64 serves 8 to 2048 rows within 2% of each size's own best; a hint of 1

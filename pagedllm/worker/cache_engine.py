@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import mmap
+import time
 from dataclasses import dataclass
 
 import torch
@@ -77,9 +79,11 @@ def zeroed(dims: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     0 times leftover garbage (a NaN bit pattern) would poison the output.
 
     On the CPU the memory is an anonymous mapping, which the OS zeroes lazily, so a 4 GiB pool costs
-    nothing at start-up. It asks for transparent huge pages: the pool hands out fresh blocks in LRU
-    order, so every block's first write faults, and with 4 KiB pages those faults cost several times the
-    copy itself (docs/PERFORMANCE.md has the figures)."""
+    nothing at start-up. The pool hands out fresh blocks in LRU order, so a block's first write faults its
+    pages in, and what a fault costs depends on the machine: on one kind transparent huge pages made a
+    prompt step's `write_kv` 4x cheaper, on another 6x dearer. The mapping takes whichever page size
+    `huge_pages_fault_faster` measured here (advised either way, which also marks it in /proc/PID/smaps
+    as the pool: 'hg' or 'nh')."""
     if torch.device(device).type != "cpu":
         return torch.zeros(dims, dtype=dtype, device=device)
     num_bytes = torch.empty((), dtype=dtype).element_size()
@@ -87,8 +91,33 @@ def zeroed(dims: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
         num_bytes *= dim
     if num_bytes == 0:
         return torch.zeros(dims, dtype=dtype)
+    memory = _anonymous(num_bytes, huge=huge_pages_fault_faster())
+    return torch.frombuffer(memory, dtype=dtype).view(dims)
+
+
+def _anonymous(num_bytes: int, huge: bool) -> mmap.mmap:
     # Private: the kernel gives transparent huge pages to private anonymous memory, not to shared.
     memory = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux only; elsewhere plain pages
-        memory.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(memory, dtype=dtype).view(dims)
+        memory.madvise(mmap.MADV_HUGEPAGE if huge else mmap.MADV_NOHUGEPAGE)
+    return memory
+
+
+_PROBE_BYTES = 8 << 20  # four huge pages: ~2-15 ms to fault in either way
+
+
+@functools.cache
+def huge_pages_fault_faster() -> bool:
+    """Whether faulting in fresh memory is faster with transparent huge pages than with base pages, timed
+    once per process on a few megabytes of each (best of two)."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return False
+    seconds = {}
+    for huge in (True, False, True, False):
+        memory = _anonymous(_PROBE_BYTES, huge)
+        started = time.perf_counter()
+        torch.frombuffer(memory, dtype=torch.uint8).fill_(1)
+        elapsed = time.perf_counter() - started
+        seconds[huge] = min(seconds.get(huge, elapsed), elapsed)
+        memory.close()
+    return seconds[True] < seconds[False]
