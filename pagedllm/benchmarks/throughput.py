@@ -17,8 +17,8 @@ row. Engines:
 Load time is measured from nothing to an engine ready to take requests; throughput from the first
 request to the last token. Counting tokens is not enough: on greedy workloads each engine's outputs for
 the first `--check` requests are compared with `transformers` in the same dtype, and must agree up to a
-first divergence where the reference's five most likely tokens hold the engine's (a near-tie); anything
-else fails the run.
+first divergence where the float32 model's log-probabilities of the two tokens are within 0.2 nats (a
+near-tie, `near_tie.py`); anything else fails the run.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from pagedllm.beam_search import BeamSearchParams
+from pagedllm.benchmarks.near_tie import compare_sequences
 from pagedllm.benchmarks.workloads import WORKLOADS, Workload, make_workload
 from pagedllm.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, resolve_dtype
 from pagedllm.entrypoints.llm import LLM
@@ -140,10 +141,10 @@ def _single_output_len(workload: Workload) -> int:
     return lengths.pop()
 
 
-def _load_hf(setup: BenchSetup):
+def _load_hf(setup: BenchSetup, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(setup.folder, dtype=setup.dtype).to(setup.device).eval()
+    model = AutoModelForCausalLM.from_pretrained(setup.folder, dtype=dtype).to(setup.device).eval()
     model.generation_config.eos_token_id = None
     return model
 
@@ -160,7 +161,7 @@ def _hf_sampling(workload: Workload) -> dict:
 
 def run_hf_static(setup: BenchSetup, workload: Workload) -> EngineResult:
     start = time.perf_counter()
-    model = _load_hf(setup)
+    model = _load_hf(setup, setup.dtype)
     load_seconds = time.perf_counter() - start
     torch.manual_seed(setup.seed)
     generated = 0
@@ -204,7 +205,7 @@ def run_hf_cb(setup: BenchSetup, workload: Workload) -> EngineResult:
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     start = time.perf_counter()
-    model = _load_hf(setup)
+    model = _load_hf(setup, setup.dtype)
     sampling = _hf_sampling(workload)
     config = GenerationConfig(max_new_tokens=max(r.output_len for r in workload.requests), eos_token_id=-1, **sampling)
     cb_config = ContinuousBatchingConfig(
@@ -302,29 +303,43 @@ def run_engines(setup: BenchSetup, workload: Workload, engines: list[str]) -> li
 
 
 def check_samples(setup: BenchSetup, workload: Workload, results: list[EngineResult]) -> None:
-    """Compare each engine's sample with `transformers` greedy in the same dtype; a sequence that parts from
-    it other than at a near-tie fails the run. Sampled and beam workloads are not checked (their tokens
-    depend on each engine's random numbers or beam rules)."""
+    """Compare each engine's sample with `transformers` greedy in the same dtype: equal, or parted at a
+    near-tie of the float32 model (`near_tie.py`); any other divergence fails the run. Sampled and beam
+    workloads are not checked (their tokens depend on each engine's random numbers or beam rules)."""
     if workload.temperature > 0 or workload.beam_width > 1 or setup.check == 0 or not results:
         for result in results:
             result.check = "not checked"
         return
-    model = _load_hf(setup)
-    references = [_reference(model, r.prompt, r.output_len) for r in workload.requests[: setup.check]]
+    requests = workload.requests[: setup.check]
+    model = _load_hf(setup, setup.dtype)
+    references = [_reference(model, r.prompt, r.output_len) for r in requests]
+    del model
+    judge = _Float32Judge(setup)
     for result in results:
-        exact = 0
-        for i, (tokens, (ref_tokens, top5)) in enumerate(zip(result.sample, references, strict=True)):
-            at = next((j for j, (a, b) in enumerate(zip(tokens, ref_tokens, strict=True)) if a != b), None)
-            if at is None:
-                exact += 1
-            elif tokens[at] not in top5[at]:
-                raise RuntimeError(
-                    f"{result.engine}: request {i} parts from transformers at token {at}, not a near-tie"
-                )
-        result.check = f"{exact}/{len(references)} exact"
+        pairs = list(zip(result.sample, references, strict=True))
+        comparison = compare_sequences(pairs, lambda i, at: judge.logprobs([*requests[i].prompt, *references[i][:at]]))
+        if comparison.failures:
+            raise RuntimeError(f"{result.engine}: " + "; ".join(comparison.failures))
+        near = f", {comparison.near_ties} near-tie" + "s" * (comparison.near_ties != 1) if comparison.near_ties else ""
+        result.check = f"{comparison.exact}/{len(references)} exact{near}"
 
 
-def _reference(model, prompt: tuple[int, ...], output_len: int) -> tuple[list[int], list[set[int]]]:
+class _Float32Judge:
+    """The float32 model's log-probabilities after a context, loaded on the first divergence only."""
+
+    def __init__(self, setup: BenchSetup) -> None:
+        self.setup = setup
+        self.model = None
+
+    def logprobs(self, context: list[int]) -> torch.Tensor:
+        if self.model is None:
+            self.model = _load_hf(self.setup, torch.float32)
+        with torch.inference_mode():
+            logits = self.model(torch.tensor([context], device=self.model.device)).logits[0, -1]
+        return logits.float().log_softmax(-1).cpu()
+
+
+def _reference(model, prompt: tuple[int, ...], output_len: int) -> list[int]:
     with torch.inference_mode():
         out = model.generate(
             torch.tensor([prompt], device=model.device),
@@ -332,12 +347,9 @@ def _reference(model, prompt: tuple[int, ...], output_len: int) -> tuple[list[in
             max_new_tokens=output_len,
             min_new_tokens=output_len,
             do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
             pad_token_id=0,
         )
-    top5 = [set(step[0].topk(5).indices.tolist()) for step in out.logits]
-    return out.sequences[0, len(prompt) :].tolist(), top5
+    return out[0, len(prompt) :].tolist()
 
 
 def add_bench_throughput_args(parser: argparse.ArgumentParser) -> None:
