@@ -82,7 +82,9 @@ def count_write_kv(seconds: float, _: tuple) -> None:
 def instrument() -> None:
     decoder.Linear.forward = timed(decoder.Linear.forward, count_gemm)
     cpu_attention.attend = timed(cpu_attention.attend, count_attention)
+    # Where the C kernel runs, the K/V write rides in the rotary pass: the column counts that pass whole.
     decoder.write_kv = timed(decoder.write_kv, count_write_kv)
+    decoder.fused.rope_write_kv = timed(decoder.fused.rope_write_kv, count_write_kv)
 
 
 def gemm_peak() -> float:
@@ -180,7 +182,7 @@ def main() -> None:
     decode = decode_steps(llm, args.decode_seqs, args.prompt_len, args.repeats, rng)
     print(f"peaks: bf16 GEMM {gemm_peak_gflops:.0f} GFLOP/s (prepacked 2048³), read {read_peak_gbs:.1f} GB/s")
     print(f"dtype: {llm.engine.config.torch_dtype}; threads: as the engine chose for the step")
-    print("| step | threads | time | GEMMs | attention | write_kv | neither |")
+    print("| step | threads | time | GEMMs | attention | write_kv (with rope) | neither |")
     print("|---|---|---|---|---|---|---|")
     budget = llm.engine.scheduler.max_num_batched_tokens
     print(row(f"prefill, {budget} prompt tokens", prefill, gemm_peak_gflops, read_peak_gbs))

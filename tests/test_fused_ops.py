@@ -86,3 +86,48 @@ def test_rope_reads_its_heads_from_the_fused_projection(dtype, heads, head_dim, 
         assert torch.equal(out, expected)  # products and the sum each round once, in both
     else:
         torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 128), (2, 1, 16)])
+def test_rope_write_kv_equals_rope_then_write_kv(dtype, heads, kv_heads, head_dim, torch_forms):
+    """The fused rotary pass with its K/V write leaves the caches and returns the queries exactly as the
+    separate passes do, skips padding slots (negative) and touches no other slot."""
+    from pagedllm.attention import write_kv
+
+    torch.manual_seed(4)
+    tokens, blocks, block_size = 21, 6, 4
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(tokens, width + 8).to(dtype)[:, :width]  # a row stride wider than the heads
+    angles = torch.rand(tokens, head_dim // 2) * 10
+    cos = torch.cat((angles.cos(), angles.cos()), dim=-1).to(dtype)
+    sin = torch.cat((angles.sin(), angles.sin()), dim=-1).to(dtype)
+    slots = torch.randperm(blocks * block_size)[:tokens]
+    slots[[2, 9]] = -1
+    shape = (blocks, block_size, kv_heads, head_dim)
+    k_fused, v_fused = torch.full(shape, 7.0, dtype=dtype), torch.full(shape, 7.0, dtype=dtype)
+    k_apart, v_apart = k_fused.clone(), v_fused.clone()
+
+    q = fused.rope_write_kv(qkv, heads, kv_heads, head_dim, cos, sin, k_fused, v_fused, slots)
+    q_apart = torch_forms("rope", qkv, 0, heads, head_dim, cos, sin)
+    k_rot = torch_forms("rope", qkv, heads * head_dim, kv_heads, head_dim, cos, sin)
+    v = qkv[:, (heads + kv_heads) * head_dim :].reshape(tokens, kv_heads, head_dim)
+    write_kv(k_rot, v, k_apart, v_apart, slots)
+
+    assert q is not None and q.shape == (tokens, heads, head_dim)
+    if dtype == torch.bfloat16:  # products and the sum each round once, in both
+        assert torch.equal(q, q_apart) and torch.equal(k_fused, k_apart)
+    else:
+        torch.testing.assert_close(q, q_apart, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(k_fused, k_apart, rtol=1e-6, atol=1e-6)
+    assert torch.equal(v_fused, v_apart)
+    untouched = torch.ones(blocks * block_size, dtype=torch.bool)
+    untouched[slots[slots >= 0]] = False
+    assert bool((k_fused.view(-1, kv_heads, head_dim)[untouched] == 7.0).all())
+
+
+def test_rope_write_kv_leaves_partial_rotary_to_the_separate_passes():
+    qkv = torch.randn(3, 4 * 64, dtype=torch.bfloat16)
+    cos = sin = torch.ones(3, 32, dtype=torch.bfloat16)  # rotary_dim 32 < head_dim 64 (Phi3)
+    cache = torch.zeros(2, 4, 1, 64, dtype=torch.bfloat16)
+    assert fused.rope_write_kv(qkv, 2, 1, 64, cos, sin, cache, cache.clone(), torch.arange(3)) is None

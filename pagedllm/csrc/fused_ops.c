@@ -1,6 +1,7 @@
 /*
  * The decoder layer's element-wise work, fused: RMSNorm (optionally after the residual add; Llama's
- * `w * x` or Gemma's `(1 + w) * x`), SiLU(gate) times up, and rotary embedding. Unfused, torch makes
+ * `w * x` or Gemma's `(1 + w) * x`), SiLU(gate) times up, and rotary embedding (alone, or with the
+ * layer's K/V written into the paged cache in the same pass). Unfused, torch makes
  * 4-8 passes over each [tokens, hidden] tensor per op (float copies, pow, mean, mul, cast), which cost
  * about a sixth of a 2048-token prefill step on two cores. Every result is rounded to the tensor's
  * dtype exactly where the torch reference (transformers' Llama, Gemma) rounds, so bf16 outputs match
@@ -84,26 +85,48 @@ static inline float silu(float x) {
         }                                                                                             \
     }                                                                                                 \
                                                                                                       \
+    /* One head: y = round(round(x * cos) + round(rotate_half(x) * sin)), cos/sin [head_dim]. */     \
+    static inline void rope_head_##SUFFIX(const T *x, const T *c, const T *s, T *y, int64_t half) {   \
+        _Pragma("omp simd")                                                                           \
+        for (int64_t i = 0; i < half; i++) {                                                          \
+            const float lo = LOAD(x[i]), hi = LOAD(x[i + half]);                                      \
+            y[i] = STORE(LOAD(STORE(lo * LOAD(c[i]))) + LOAD(STORE(-hi * LOAD(s[i]))));                \
+            y[i + half] = STORE(LOAD(STORE(hi * LOAD(c[i + half]))) + LOAD(STORE(lo * LOAD(s[i + half])))); \
+        }                                                                                             \
+    }                                                                                                 \
+                                                                                                      \
     /* Rotary embedding of `heads` heads of `head_dim` starting at column `col` of each row of `src`  \
-     * (row stride `src_stride`), into the contiguous `out` [rows, heads, head_dim]:                   \
-     * out = round(round(x * cos) + round(rotate_half(x) * sin)), cos/sin [rows, head_dim]. */        \
+     * (row stride `src_stride`), into the contiguous `out` [rows, heads, head_dim]; cos/sin are     \
+     * [rows, head_dim]. */                                                                           \
     void rope_##SUFFIX(const T *src, int64_t src_stride, int64_t col, const T *cos, const T *sin,     \
                        T *out, int64_t rows, int64_t heads, int64_t head_dim) {                       \
-        const int64_t half = head_dim / 2;                                                            \
+        _Pragma("omp parallel for schedule(static)")                                                  \
+        for (int64_t r = 0; r < rows; r++)                                                            \
+            for (int64_t h = 0; h < heads; h++)                                                       \
+                rope_head_##SUFFIX(src + r * src_stride + col + h * head_dim, cos + r * head_dim,     \
+                                   sin + r * head_dim, out + (r * heads + h) * head_dim, head_dim / 2); \
+    }                                                                                                 \
+                                                                                                      \
+    /* An attention layer's whole rotary pass and K/V write from its fused projection `qkv` [rows,    \
+     * (heads + 2 kv_heads) head_dim] (row stride `qkv_stride`): the query heads rotated into `q_out`  \
+     * [rows, heads, head_dim], the key heads rotated straight into the K cache at each row's slot and \
+     * the value heads copied into the V cache there (caches [slots, kv_heads, head_dim], contiguous); \
+     * a negative slot is padding and is not written. One pass instead of rope, rope and two scatters. */ \
+    void rope_write_kv_##SUFFIX(const T *qkv, int64_t qkv_stride, const T *cos, const T *sin, T *q_out, \
+                                T *k_cache, T *v_cache, const int64_t *slots, int64_t rows, int64_t heads, \
+                                int64_t kv_heads, int64_t head_dim) {                                 \
+        const int64_t half = head_dim / 2, kv_width = kv_heads * head_dim;                            \
         _Pragma("omp parallel for schedule(static)")                                                  \
         for (int64_t r = 0; r < rows; r++) {                                                          \
-            const T *c = cos + r * head_dim, *s = sin + r * head_dim;                                 \
-            for (int64_t h = 0; h < heads; h++) {                                                     \
-                const T *x = src + r * src_stride + col + h * head_dim;                               \
-                T *y = out + (r * heads + h) * head_dim;                                              \
-                _Pragma("omp simd")                                                                   \
-                for (int64_t i = 0; i < half; i++) {                                                  \
-                    const float lo = LOAD(x[i]), hi = LOAD(x[i + half]);                              \
-                    y[i] = STORE(LOAD(STORE(lo * LOAD(c[i]))) + LOAD(STORE(-hi * LOAD(s[i]))));        \
-                    y[i + half] = STORE(LOAD(STORE(hi * LOAD(c[i + half]))) +                          \
-                                        LOAD(STORE(lo * LOAD(s[i + half]))));                         \
-                }                                                                                     \
-            }                                                                                         \
+            const T *row = qkv + r * qkv_stride, *c = cos + r * head_dim, *s = sin + r * head_dim;    \
+            for (int64_t h = 0; h < heads; h++)                                                       \
+                rope_head_##SUFFIX(row + h * head_dim, c, s, q_out + (r * heads + h) * head_dim, half); \
+            if (slots[r] < 0)                                                                         \
+                continue;                                                                             \
+            const T *k = row + heads * head_dim;                                                      \
+            for (int64_t h = 0; h < kv_heads; h++)                                                    \
+                rope_head_##SUFFIX(k + h * head_dim, c, s, k_cache + slots[r] * kv_width + h * head_dim, half); \
+            memcpy(v_cache + slots[r] * kv_width, k + kv_width, sizeof(T) * kv_width);                 \
         }                                                                                             \
     }
 

@@ -166,6 +166,27 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: StepContext) -> torch.Tensor:
         qkv = self.qkv_proj(x)
+        k_cache, v_cache = ctx.kv_caches[self.layer_index]
+        q = None
+        if self.q_norm is None:  # the K/V write rides in the rotary pass where the C kernel can run
+            q = fused.rope_write_kv(
+                qkv, self.num_heads, self.num_kv_heads, self.head_dim, *rope, k_cache, v_cache, ctx.slot_mapping
+            )
+        if q is None:
+            q, k, v = self._rope(qkv, rope)
+            write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+        options = {}
+        if self.window:
+            options["window"] = self.window
+        if self.softcap:
+            options["softcap"] = self.softcap
+        out = ctx.attention(q, k_cache, v_cache, ctx.metadata, self.scale, **options)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+    def _rope(
+        self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated queries and keys (after their per-head norms, where the family has them) and the values."""
         cos, sin = rope
         if self.q_norm is None:
             q = fused.rope(qkv, 0, self.num_heads, self.head_dim, cos, sin)
@@ -177,15 +198,7 @@ class Attention(nn.Module):
             q = fused.rope(q, 0, self.num_heads, self.head_dim, cos, sin)
             k = fused.rope(k.view(tokens, self.kv_size), 0, self.num_kv_heads, self.head_dim, cos, sin)
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
-        k_cache, v_cache = ctx.kv_caches[self.layer_index]
-        write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
-        options = {}
-        if self.window:
-            options["window"] = self.window
-        if self.softcap:
-            options["softcap"] = self.softcap
-        out = ctx.attention(q, k_cache, v_cache, ctx.metadata, self.scale, **options)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return q, k, v
 
 
 class MLP(nn.Module):

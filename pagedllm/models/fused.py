@@ -19,6 +19,7 @@ _SIGNATURES = {
     "rms_norm_offset": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32],
     "silu_mul": [_PTR, _PTR, _I64, _I64],
     "rope": [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64],
+    "rope_write_kv": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64],
 }
 
 
@@ -127,3 +128,49 @@ def rope(qkv: torch.Tensor, col: int, heads: int, head_dim: int, cos: torch.Tens
         head_dim,
     )
     return out
+
+
+def rope_write_kv(
+    qkv: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor | None:
+    """An attention layer's rotary embedding and K/V write in one pass over its fused projection `qkv`
+    `[tokens, (heads + 2 kv_heads) head_dim]`: returns the rotated queries `[tokens, heads, head_dim]`, and
+    writes the rotated keys and the values into the caches `[blocks, block_size, kv_heads, head_dim]` at
+    each token's slot (negative: padding, not written). None where the C kernel cannot run (another device
+    or dtype, a partial rotary, a cache not laid out so): the caller then ropes and writes separately."""
+    if (
+        qkv.stride(-1) != 1
+        or cos.shape[-1] != head_dim
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+        or slot_mapping.dtype != torch.int64
+        or slot_mapping.device.type != "cpu"
+    ):
+        return None
+    kernel = _kernel("rope_write_kv", qkv, cos, sin, k_cache, v_cache)
+    if kernel is None:
+        return None
+    cos, sin, slots = cos.contiguous(), sin.contiguous(), slot_mapping.contiguous()
+    q = qkv.new_empty(qkv.shape[0], heads, head_dim)
+    kernel(
+        qkv.data_ptr(),
+        qkv.stride(0),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slots.data_ptr(),
+        qkv.shape[0],
+        heads,
+        kv_heads,
+        head_dim,
+    )
+    return q
