@@ -103,21 +103,28 @@ def _anonymous(num_bytes: int, huge: bool) -> mmap.mmap:
     return memory
 
 
-_PROBE_BYTES = 8 << 20  # four huge pages: ~2-15 ms to fault in either way
+_PROBE_SLICE = 4 << 20  # two huge pages
+_PROBE_SLICES = 8  # of each page size: 32 MiB each way, ~10-60 ms in all
 
 
 @functools.cache
 def huge_pages_fault_faster() -> bool:
     """Whether faulting in fresh memory is faster with transparent huge pages than with base pages, timed
-    once per process on a few megabytes of each (best of two)."""
+    once per process over 32 MiB of each, in alternating slices so that a neighbour's burst weighs on both.
+    Every slice stays mapped until the end: a huge page just given back (by an earlier slice, or a process
+    that ended) can come back already zeroed and fault in 40x faster than a fresh one, which is not what a
+    pool of gigabytes meets. Some still can (a restarted server's), so the probe may favour huge pages once
+    in a while; that costs a few percent of a run, not correctness."""
     if not hasattr(mmap, "MADV_HUGEPAGE"):
         return False
-    seconds = {}
-    for huge in (True, False, True, False):
-        memory = _anonymous(_PROBE_BYTES, huge)
+    seconds = {True: 0.0, False: 0.0}
+    slices = []
+    for huge in (True, False) * _PROBE_SLICES:
+        memory = _anonymous(_PROBE_SLICE, huge)
         started = time.perf_counter()
         torch.frombuffer(memory, dtype=torch.uint8).fill_(1)
-        elapsed = time.perf_counter() - started
-        seconds[huge] = min(seconds.get(huge, elapsed), elapsed)
+        seconds[huge] += time.perf_counter() - started
+        slices.append(memory)
+    for memory in slices:
         memory.close()
     return seconds[True] < seconds[False]
