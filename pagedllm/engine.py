@@ -14,6 +14,8 @@ import time
 import weakref
 from collections.abc import Callable
 
+from transformers import PreTrainedTokenizerBase
+
 from pagedllm.beam_search import BeamSearchParams, BeamState
 from pagedllm.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from pagedllm.kv.events import KVEventFile, KVEventSink
@@ -69,6 +71,7 @@ class LLMEngine:
         self._group = TensorParallelGroup.start(config, model_config, folder, pool)
         self.loaded: LoadedModel = load_model(folder, config.torch_dtype, config.device, self._group.shard)
         self.tokenizer = self.loaded.tokenizer
+        self.text_bound = TextBound.of(self.tokenizer)
         model = self.loaded.model
         shape = KVShape(model.num_layers, model.num_kv_heads, model.head_dim, config.block_size, config.torch_dtype)
         window = _kv_window(self.loaded)
@@ -116,6 +119,7 @@ class LLMEngine:
                 return self.tokenize(prompt["prompt"])
             raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
+            self.text_bound.check(prompt, self.max_model_len)
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return None, list(prompt)
@@ -356,6 +360,32 @@ class LLMEngine:
     def _notify(self) -> None:
         for observer in self._observers:
             observer()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TextBound:
+    """The fewest tokens a text can have, known before tokenizing it: no token covers more characters than
+    the vocabulary's longest entry (a byte-level BPE entry spells one character per byte). A normalizer may
+    shorten a text first (NFKC composes characters), so with one the bound allows 4x more. Tokenizing
+    megabytes takes seconds (4 MiB: 3.4 s here), which a hostile prompt would otherwise cost every request
+    sharing the engine; a text that passes is still checked by its tokens."""
+
+    chars_per_token: int
+
+    @classmethod
+    def of(cls, tokenizer: PreTrainedTokenizerBase) -> TextBound:
+        longest = max(map(len, tokenizer.get_vocab()), default=1)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        may_shorten = backend is None or backend.normalizer is not None
+        return cls(longest * (4 if may_shorten else 1))
+
+    def check(self, text: str, max_model_len: int) -> None:
+        """Refuse a text certainly too long for the model, without tokenizing it."""
+        fewest = len(text) // self.chars_per_token
+        if fewest >= max_model_len:
+            raise ValueError(
+                f"prompt has {len(text)} characters, at least {fewest} tokens; max_model_len is {max_model_len}"
+            )
 
 
 def _parts_by_request(out: SchedulerOutput) -> dict[str, SchedulerOutput]:

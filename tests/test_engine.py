@@ -66,6 +66,23 @@ def test_utilization_in_a_steady_batch_meets_the_paged_bound(tiny_llama):
     assert checked > 30
 
 
+def test_a_text_certainly_too_long_is_refused_before_it_is_tokenized(llm, monkeypatch):
+    engine = llm.engine
+    bound = engine.text_bound.chars_per_token * engine.max_model_len
+    longest = max(map(len, engine.tokenizer.get_vocab()))
+    assert engine.text_bound.chars_per_token in (longest, 4 * longest)
+    encoded: list[int] = []
+    real_encode = engine.tokenizer.encode
+    monkeypatch.setattr(engine.tokenizer, "encode", lambda text, **kw: encoded.append(len(text)) or real_encode(text))
+    with pytest.raises(ValueError, match=rf"prompt has {bound} characters, at least 400 tokens; max_model_len is 400"):
+        engine.add_request("long", "a" * bound, SamplingParams(max_tokens=1))
+    assert encoded == [] and not engine.has_unfinished_requests()
+    # One character fewer may still fit: it is tokenized, and then judged by its tokens.
+    with pytest.raises(ValueError, match=r"prompt has \d+ tokens"):
+        engine.add_request("long", "a" * (bound - 1), SamplingParams(max_tokens=1))
+    assert encoded == [bound - 1]
+
+
 def test_request_over_max_model_len_is_refused_with_both_lengths(llm):
     with pytest.raises(ValueError, match=r"390 tokens.*max_tokens \(20\).*max_model_len \(400\)"):
         llm.generate([[7] * 390], greedy(20), use_tqdm=False)

@@ -191,6 +191,16 @@ HOSTILE = [
     hostile(COMPLETIONS, b'{"prompt": ' + b"[" * 100_000, None, "parsing the body", "100000-brackets-in-prompt"),
     # empty and unknown
     hostile(COMPLETIONS, completion(prompt=""), "prompt", "empty", "prompt-empty-string"),
+    # megabytes of text are refused by their length alone ("at least"), never tokenized (seconds of CPU)
+    hostile(COMPLETIONS, completion(prompt="hi " * (1 << 20)), "prompt", "characters, at least", "prompt-3-mib"),
+    hostile(COMPLETIONS, completion(prompt=["hi", "hi " * (1 << 20)]), "prompt", "at least", "second-prompt-3-mib"),
+    hostile(
+        CHAT,
+        chat(messages=[{"role": "user", "content": "hi " * (1 << 20)}]),
+        "messages",
+        "characters, at least",
+        "message-3-mib",
+    ),
     hostile(COMPLETIONS, completion(prompt=[]), "prompt", "prompt must be", "prompt-empty-list"),
     hostile(COMPLETIONS, completion(prompt=[[]]), "prompt", "prompt must be", "prompt-empty-token-list"),
     hostile(COMPLETIONS, completion(prompt=["hi", ""]), "prompt", "empty", "prompts-one-empty"),

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
 import secrets
@@ -138,9 +139,10 @@ class _ServingInfo(OpenAIServing):
     async def tokenize(self, body: protocol.TokenizeRequest) -> protocol.TokenizeResponse:
         self._model(body.model)
         if body.messages is not None:
-            tokens = self._render(body.messages, body.add_generation_prompt)["prompt_token_ids"]
-        else:
-            tokens = self.engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            tokens = (await self._render(body.messages, body.add_generation_prompt, bounded=False))["prompt_token_ids"]
+        else:  # on a thread, as every tokenization in this process: the tokenizer releases the GIL
+            encode = partial(self.engine.tokenizer.encode, add_special_tokens=body.add_special_tokens)
+            tokens = await asyncio.to_thread(encode, body.prompt)
         return protocol.TokenizeResponse(count=len(tokens), max_model_len=self.engine.max_model_len, tokens=tokens)
 
     async def detokenize(self, body: protocol.DetokenizeRequest) -> protocol.DetokenizeResponse:

@@ -22,7 +22,7 @@ from typing import Any
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pagedllm.beam_search import BeamSearchParams
-from pagedllm.engine import PromptInput
+from pagedllm.engine import PromptInput, TextBound
 from pagedllm.entrypoints.openai.engine_core import (
     Abort,
     Added,
@@ -158,6 +158,7 @@ class AsyncLLMEngine:
         ready = self._await_ready()
         self.max_model_len = ready.max_model_len
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(ready.model_folder)
+        self.text_bound = TextBound.of(self.tokenizer)  # the core's own, so both refuse the same texts
         logger.info("engine core ready in %.2f s (pid %d)", ready.startup_seconds, self._process.pid)
 
     def _await_ready(self) -> Ready:

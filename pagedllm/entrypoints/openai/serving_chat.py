@@ -34,7 +34,7 @@ class OpenAIServingChat(common.OpenAIServing):
         call = self._call("chatcmpl", body.model)
         self._check(body)
         tools = self._tool_use(body)
-        prompt = self._render(body.messages, body.add_generation_prompt, tools.offered)
+        prompt = await self._render(body.messages, body.add_generation_prompt, tools.offered)
         constraint = common.constraint(body, *filter(None, [tools.constraint]))
         _, max_tokens = body.max_output
         top_logprobs = (body.top_logprobs or 0) if body.logprobs else None

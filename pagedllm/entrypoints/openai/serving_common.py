@@ -150,14 +150,41 @@ class OpenAIServing:
             raise ApiError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
         return requested
 
-    def _render(
-        self, messages: list[protocol.ChatMessage], add_generation_prompt: bool, tools: list[dict] | None = None
+    async def _render(
+        self,
+        messages: list[protocol.ChatMessage],
+        add_generation_prompt: bool,
+        tools: list[dict] | None = None,
+        bounded: bool = True,
     ) -> dict:
+        """The chat through its template, with its token ids, rendered on a thread (the tokenizer releases the
+        GIL, so the event loop keeps serving). `bounded`: messages certainly too long for the model are refused
+        first, unrendered (`/tokenize` counts any length)."""
+        if bounded:
+            self._check_text_fits("".join(message.text for message in messages), "messages")
         conversation, tools = tool_parsers.conversation(messages, tools, self.engine.tokenizer.chat_template)
         try:
-            return self.render_chat(conversation, add_generation_prompt, tools)
+            return await asyncio.to_thread(self.render_chat, conversation, add_generation_prompt, tools)
         except (ValueError, TypeError, jinja2.TemplateError) as error:
             raise ApiError(400, f"cannot apply the chat template: {error}", param="messages") from error
+
+    async def _tokenized(self, prompts: list[dict], param: str) -> list[dict]:
+        """Every prompt with its token ids: a text is tokenized here, on a thread, so that the engine core's
+        stepping thread never does it; one certainly too long for the model is refused first, untokenized."""
+        out = []
+        for prompt in prompts:
+            if "prompt_token_ids" not in prompt:
+                self._check_text_fits(prompt["prompt"], param)
+                ids = await asyncio.to_thread(self.engine.tokenizer.encode, prompt["prompt"])
+                prompt = {**prompt, "prompt_token_ids": ids}
+            out.append(prompt)
+        return out
+
+    def _check_text_fits(self, text: str, param: str) -> None:
+        try:
+            self.engine.text_bound.check(text, self.engine.max_model_len)
+        except ValueError as error:
+            raise ApiError(400, str(error), param=param) from error
 
     async def _add(
         self,
@@ -186,15 +213,10 @@ class OpenAIServing:
             raise ApiError(400, f"{constraint.param}: {error}", param=constraint.param) from error
 
     def _room(self, prompts: list[dict]) -> int:
-        """The most tokens every prompt leaves room for (at least 1: a prompt that fills the context is refused
-        by the engine, with its length)."""
-        lengths = [
-            len(prompt["prompt_token_ids"])
-            if "prompt_token_ids" in prompt
-            else len(self.engine.tokenizer.encode(prompt["prompt"]))
-            for prompt in prompts
-        ]
-        return max(self.engine.max_model_len - max(lengths), 1)
+        """The most tokens every prompt (tokenized: `_tokenized`, `_render`) leaves room for (at least 1: a prompt
+        that fills the context is refused by the engine, with its length)."""
+        longest = max(len(prompt["prompt_token_ids"]) for prompt in prompts)
+        return max(self.engine.max_model_len - longest, 1)
 
 
 @dataclass(frozen=True, slots=True)

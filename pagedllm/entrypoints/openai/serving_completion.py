@@ -18,7 +18,7 @@ class OpenAIServingCompletion(common.OpenAIServing):
     async def create(self, body: protocol.CompletionRequest, request: Request) -> Response:
         call = self._call("cmpl", body.model)
         self._check(body)
-        prompts = _prompt_list(body.prompt)
+        prompts = await self._tokenized(_prompt_list(body.prompt), "prompt")
         constraint = common.constraint(body)
         if body.use_beam_search:
             params = common.beam_params(body, constraint, body.max_tokens or self._room(prompts))
