@@ -124,9 +124,10 @@ class ServeOptions:
     max_logprobs: int = option(20, "largest logprobs, top_logprobs and prompt_logprobs (vLLM's --max-logprobs)")
     max_stop: int = option(64, "most stop strings, and most stop_token_ids, in one request")
     max_stop_len: int = option(1024, "longest stop string, in characters")
+    max_prompts: int = option(2048, "most prompts in one completions request (each becomes a request)")
 
     def __post_init__(self) -> None:
-        for name in ("max_n", "max_stop", "max_stop_len"):
+        for name in ("max_n", "max_stop", "max_stop_len", "max_prompts"):
             _require_positive(name, getattr(self, name))
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be a non-negative integer, got {self.max_logprobs!r}")

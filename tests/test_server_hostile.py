@@ -301,6 +301,14 @@ LIMITED = [
         "--max-stop",
         lambda v: completion(stop_token_ids=list(range(v))),
     ),
+    limit(
+        COMPLETIONS,
+        "prompt",
+        LIMITS.max_prompts,
+        "--max-prompts",
+        lambda v: completion(prompt=["hi"] * v),
+        LIMITS.max_prompts,
+    ),
     # A one-token prompt leaves max_model_len - 1 tokens to generate.
     limit(
         COMPLETIONS,
@@ -328,10 +336,12 @@ def test_a_limit_admits_its_bound_and_refuses_one_more_naming_the_flag(
 def test_the_limits_are_the_serve_flags_and_refuse_naming_field_and_flag():
     parser = argparse.ArgumentParser()
     add_dataclass_args(parser, ServeOptions)
-    args = parser.parse_args(["--max-n", "2", "--max-logprobs", "3", "--max-stop", "4", "--max-stop-len", "5"])
-    limits = ServingLimits.from_options(ServeOptions(**option_values(ServeOptions, args)))
-    assert limits == ServingLimits(max_n=2, max_logprobs=3, max_stop=4, max_stop_len=5)
+    flags = ["--max-n", "2", "--max-logprobs", "3", "--max-stop", "4", "--max-stop-len", "5", "--max-prompts", "6"]
+    limits = ServingLimits.from_options(ServeOptions(**option_values(ServeOptions, parser.parse_args(flags))))
+    assert limits == ServingLimits(max_n=2, max_logprobs=3, max_stop=4, max_stop_len=5, max_prompts=6)
     refusals = [
+        (protocol.CompletionRequest(prompt=["hi"] * 7), "prompt", "--max-prompts"),
+        (protocol.CompletionRequest(prompt=[[5, 6]] * 7), "prompt", "--max-prompts"),
         (protocol.CompletionRequest(prompt="hi", best_of=3), "best_of", "--max-n"),
         (protocol.CompletionRequest(prompt="hi", logprobs=4), "logprobs", "--max-logprobs"),
         (protocol.ChatCompletionRequest(messages=HI, stop=["a"] * 5), "stop", "--max-stop"),
@@ -343,9 +353,11 @@ def test_the_limits_are_the_serve_flags_and_refuse_naming_field_and_flag():
         assert raised.value.status == 400
         assert raised.value.body.error.param == param and flag in raised.value.body.error.message
     limits.check(protocol.CompletionRequest(prompt="hi", n=2, logprobs=3, stop=["a"] * 4))
+    limits.check(protocol.CompletionRequest(prompt=list(range(1, 40))))  # one prompt of 39 token ids
+    limits.check(protocol.CompletionRequest(prompt=["hi"] * 6))
 
 
-@pytest.mark.parametrize("field", ["max_n", "max_stop", "max_stop_len", "max_logprobs"])
+@pytest.mark.parametrize("field", ["max_n", "max_stop", "max_stop_len", "max_logprobs", "max_prompts"])
 def test_a_negative_limit_is_refused_when_the_options_are_built(field):
     with pytest.raises(ValueError, match=field):
         ServeOptions(**{field: -1})

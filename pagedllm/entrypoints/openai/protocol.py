@@ -229,6 +229,11 @@ class SamplingRequest(_Strict):
         """The fields that count log-probabilities per token (bounded by the server's --max-logprobs)."""
         return {"prompt_logprobs": self.prompt_logprobs}
 
+    @property
+    def num_prompts(self) -> int:
+        """The requests this call becomes, one per prompt (bounded by the server's --max-prompts)."""
+        return 1
+
 
 class CompletionRequest(SamplingRequest):
     prompt: PromptField
@@ -251,6 +256,12 @@ class CompletionRequest(SamplingRequest):
     @property
     def logprob_counts(self) -> dict[str, int | None]:
         return {"logprobs": self.logprobs, "prompt_logprobs": self.prompt_logprobs}
+
+    @property
+    def num_prompts(self) -> int:
+        # A string or one list of token ids is one prompt; otherwise a list of them.
+        one = isinstance(self.prompt, str) or isinstance(self.prompt[0], int)
+        return 1 if one else len(self.prompt)
 
     @property
     def max_output(self) -> tuple[str, int | None]:

@@ -77,6 +77,7 @@ class ServingLimits:
     max_logprobs: int
     max_stop: int
     max_stop_len: int
+    max_prompts: int
 
     @classmethod
     def from_options(cls, options: ServeOptions) -> ServingLimits:
@@ -91,6 +92,7 @@ class ServingLimits:
         self._at_most("stop_token_ids", len(body.stop_token_ids or ()), "max_stop", "the number of stop_token_ids")
         longest = max(map(len, body.stop_strings), default=0)
         self._at_most("stop", longest, "max_stop_len", "the length of a stop string")
+        self._at_most("prompt", body.num_prompts, "max_prompts", "the number of prompts")
 
     def _at_most(self, param: str, value: int | None, limit: str, what: str | None = None) -> None:
         bound = getattr(self, limit)
