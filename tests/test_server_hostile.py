@@ -464,6 +464,13 @@ def test_every_other_route_answers_without_a_5xx(server, expected, schema):
     fuzzed = [(COMPLETIONS, "POST"), (CHAT, "POST"), ("/tokenize", "POST"), ("/detokenize", "POST")]
     others = [op.ok() for op in schema.get_all_operations() if (op.ok().path, op.ok().method.upper()) not in fuzzed]
     assert {op.path for op in others} >= {"/v1/models", "/health", "/metrics"}
+    # Their answers are declared, so the fuzzer checks bodies against shapes, not only the absence of a 5xx.
+    paths = schema.raw_schema["paths"]
+    health = paths["/health"]["get"]["responses"]
+    assert {"200", "503"} <= set(health) and all(
+        "application/json" in health[code]["content"] for code in ("200", "503")
+    )
+    assert "text/plain" in paths["/metrics"]["get"]["responses"]["200"]["content"]
     for operation in others:
         assert not operation.body, f"{operation.label} takes a body: fuzz it as the routes above"
         fuzz(server, operation, GenerationMode.POSITIVE)

@@ -22,7 +22,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -113,8 +113,10 @@ def build_app(engine: AsyncLLMEngine, render_chat: RenderChat, options: ServeOpt
     app.get("/v1/models")(info.models)
     app.post("/tokenize")(info.tokenize)
     app.post("/detokenize")(info.detokenize)
-    app.get("/health")(info.health)
-    app.get("/metrics")(info.metrics)
+    # Answers declared with their shapes, so that the OpenAPI schema (and Schemathesis, fuzzing from it) knows them.
+    dead = {503: {"model": protocol.HealthResponse, "description": "the engine is not running"}}
+    app.get("/health", response_model=protocol.HealthResponse, responses=dead)(info.health)
+    app.get("/metrics", response_class=PlainTextResponse)(info.metrics)
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
@@ -159,9 +161,11 @@ class _ServingInfo(OpenAIServing):
         restart it."""
         engine = self.engine
         if not engine.is_running:
-            return JSONResponse({"status": "dead", "message": "the engine is not running"}, status_code=503)
+            dead = protocol.HealthResponse(status="dead", message="the engine is not running")
+            return JSONResponse(dead.model_dump(exclude_none=True), status_code=503)
         status = "overloaded" if engine.overloaded else "ok"
-        return JSONResponse({"status": status, "num_waiting": engine.num_waiting, "max_waiting": engine.max_waiting})
+        alive = protocol.HealthResponse(status=status, num_waiting=engine.num_waiting, max_waiting=engine.max_waiting)
+        return JSONResponse(alive.model_dump(exclude_none=True))
 
     async def metrics(self) -> Response:
         await self.engine.refresh_stats()

@@ -548,6 +548,16 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+class HealthResponse(BaseModel):
+    """`/health`: 200 with ok or overloaded (new requests get 503 until the queue shrinks; no reason to restart),
+    503 with dead (the engine cannot go on: restart the server)."""
+
+    status: Literal["ok", "overloaded", "dead"]
+    num_waiting: int | None = None
+    max_waiting: int | None = None
+    message: str | None = None
+
+
 class ErrorInfo(BaseModel):
     message: str
     type: str
