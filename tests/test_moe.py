@@ -153,8 +153,10 @@ def test_bf16_runs_and_is_close(family: str, top_k: int, norm: bool, prepack: bo
     model = hf_model(family, top_k, norm).to(torch.bfloat16)
     block = loaded_blocks(family, top_k, norm, model)[0].to(torch.bfloat16)
     if prepack:
+        packable = can_prepack(block.experts.gate_up_proj)
         block.prepack()
-        assert (block.packed is not None) == can_prepack(block.experts.gate_up_proj)
+        assert (block.packed is not None) == packable
+        assert block.experts.gate_up_proj.is_meta == packable, "packed experts are held once"
     for tokens in TOKENS:
         x = inputs(tokens, torch.bfloat16)
         with torch.no_grad():

@@ -75,17 +75,18 @@ class SparseMoeBlock(nn.Module):
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def prepack(self) -> None:
-        """Reorder each expert's bf16 CPU weights once into oneDNN's blocked layout, as the decoder's
-        `Linear.prepack` does (the router stays a plain `linear`, exactly the reference's). A no-op
-        elsewhere; call again after the weights change (load, `.to`). The packed copies sit beside
-        the stacked parameters, like `Linear`'s."""
-        w = self.experts.gate_up_proj
-        self.packed = None
-        if can_prepack(w):
-            self.packed = [
-                (prepacked(self.experts.gate_up_proj[e]), prepacked(self.experts.down_proj[e]))
-                for e in range(self.num_experts)
-            ]
+        """Reorder each expert's CPU weights once into oneDNN's blocked layout, as the decoder's
+        `Linear.prepack` does (the router stays a plain `linear`, exactly the reference's), and let the
+        stacked plain copies go (to the meta device, keeping their shapes), so each weight is in memory
+        once. A no-op where oneDNN cannot, and once done."""
+        experts = self.experts
+        if experts.gate_up_proj.is_meta or not can_prepack(experts.gate_up_proj):
+            return
+        self.packed = [
+            (prepacked(experts.gate_up_proj[e]), prepacked(experts.down_proj[e])) for e in range(self.num_experts)
+        ]
+        experts.gate_up_proj = nn.Parameter(experts.gate_up_proj.to("meta"), requires_grad=False)
+        experts.down_proj = nn.Parameter(experts.down_proj.to("meta"), requires_grad=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k `(weights, expert ids)`, each `[T, top_k]`, as transformers' router computes them."""
