@@ -471,6 +471,8 @@ def test_every_other_route_answers_without_a_5xx(server, expected, schema):
         "application/json" in health[code]["content"] for code in ("200", "503")
     )
     assert "text/plain" in paths["/metrics"]["get"]["responses"]["200"]["content"]
+    assert "text/html" in paths["/kv"]["get"]["responses"]["200"]["content"]
+    assert "text/event-stream" in paths["/kv/events"]["get"]["responses"]["200"]["content"]
     for operation in others:
         assert not operation.body, f"{operation.label} takes a body: fuzz it as the routes above"
         fuzz(server, operation, GenerationMode.POSITIVE)

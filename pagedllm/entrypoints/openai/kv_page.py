@@ -285,7 +285,8 @@ def kv_router(monitor: KVMonitor) -> APIRouter:
     router = APIRouter(prefix="/kv")
     page = _inline_page()
 
-    @router.get("")
+    # Each answer's media type declared, so that the OpenAPI schema says what comes back.
+    @router.get("", response_class=HTMLResponse)
     async def kv_page() -> HTMLResponse:
         return HTMLResponse(page)
 
@@ -294,7 +295,7 @@ def kv_router(monitor: KVMonitor) -> APIRouter:
         snapshot = await monitor.fresh()
         return JSONResponse(await asyncio.to_thread(KVSnapshot.as_dict, snapshot))
 
-    @router.get("/events")
+    @router.get("/events", response_class=StreamingResponse, responses={200: {"content": {"text/event-stream": {}}}})
     async def kv_events() -> StreamingResponse:
         return StreamingResponse(_event_stream(monitor), media_type="text/event-stream", headers=_NO_CACHE)
 
