@@ -7,12 +7,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM
 
-from pagedllm.benchmarks.near_tie import NEAR_TIE, Comparison, compare_sequences
+from pagedllm.benchmarks.near_tie import NEAR_TIE, Comparison, compare_sequences, float32_logprobs
 from pagedllm.outputs import RequestOutput
 
-__all__ = ["NEAR_TIE", "Comparison", "Reference", "compare_greedy", "compare_sequences", "reference_greedy"]
+__all__ = [
+    "NEAR_TIE",
+    "Comparison",
+    "Reference",
+    "compare_greedy",
+    "compare_sequences",
+    "float32_logprobs",
+    "reference_greedy",
+]
 
 
 @dataclass(slots=True)
@@ -41,12 +49,6 @@ def reference_greedy(
         logprobs = torch.stack([step[0] for step in out.logits]).float().log_softmax(-1)
         refs.append(Reference(out.sequences[0, len(prompt) :].tolist(), logprobs))
     return refs
-
-
-def float32_logprobs(model: PreTrainedModel, context: list[int]) -> torch.Tensor:
-    """A float32 model's log-probabilities of the token after `context`."""
-    with torch.no_grad():
-        return model(torch.tensor([context])).logits[0, -1].float().log_softmax(-1)
 
 
 def compare_greedy(outputs: list[RequestOutput], refs: list[Reference]) -> Comparison:

@@ -32,6 +32,14 @@ class Comparison:
         assert self.exact >= min_exact, f"{self.exact} sequences exact ({self.near_ties} near-ties), {min_exact} needed"
 
 
+def float32_logprobs(model: torch.nn.Module, context: list[int]) -> torch.Tensor:
+    """A float32 `transformers` model's log-probabilities (on the CPU) of the token after `context`: what
+    `compare_sequences` judges a divergence by."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([context], device=model.device)).logits[0, -1]
+    return logits.float().log_softmax(-1).cpu()
+
+
 def compare_sequences(
     pairs: Sequence[tuple[list[int], list[int]]],
     logprobs_at: Callable[[int, int], torch.Tensor],

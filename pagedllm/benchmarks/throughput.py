@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from pagedllm.beam_search import BeamSearchParams
-from pagedllm.benchmarks.near_tie import compare_sequences
+from pagedllm.benchmarks.near_tie import compare_sequences, float32_logprobs
 from pagedllm.benchmarks.workloads import WORKLOADS, Workload, make_workload
 from pagedllm.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, resolve_dtype
 from pagedllm.entrypoints.llm import LLM
@@ -334,9 +334,7 @@ class _Float32Judge:
     def logprobs(self, context: list[int]) -> torch.Tensor:
         if self.model is None:
             self.model = _load_hf(self.setup, torch.float32)
-        with torch.inference_mode():
-            logits = self.model(torch.tensor([context], device=self.model.device)).logits[0, -1]
-        return logits.float().log_softmax(-1).cpu()
+        return float32_logprobs(self.model, context)
 
 
 def _reference(model, prompt: tuple[int, ...], output_len: int) -> list[int]:
