@@ -496,7 +496,7 @@ def _parents() -> Iterator[tuple[int, int]]:
 
 
 def _kv_pool_rss_kib(pid: int) -> int:
-    """Resident KiB of the mappings advised MADV_HUGEPAGE or MADV_NOHUGEPAGE ('hg', 'nh'): on the CPU that
+    """Resident KiB of the mappings advised MADV_NOHUGEPAGE ('nh'): on the CPU that
     is the KV pool alone (`worker.cache_engine.zeroed`). Its pages fault in lazily as the LRU free queue
     hands out blocks never written before, so until every block has been used once the pool's RSS grows
     with traffic by design."""
@@ -505,7 +505,7 @@ def _kv_pool_rss_kib(pid: int) -> int:
         for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
             if line.startswith("Rss:"):
                 mapping_rss = int(line.split()[1])
-            elif line.startswith("VmFlags:") and {"hg", "nh"} & set(line.split()[1:]):
+            elif line.startswith("VmFlags:") and "nh" in line.split()[1:]:
                 resident += mapping_rss  # VmFlags is a mapping's last line: its Rss came before
     return resident
 

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import functools
 import mmap
-import time
 from dataclasses import dataclass
 
 import torch
@@ -80,10 +78,12 @@ def zeroed(dims: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
 
     On the CPU the memory is an anonymous mapping, which the OS zeroes lazily, so a 4 GiB pool costs
     nothing at start-up. The pool hands out fresh blocks in LRU order, so a block's first write faults its
-    pages in, and what a fault costs depends on the machine: on one kind transparent huge pages made a
-    prompt step's `write_kv` 4x cheaper, on another 6x dearer. The mapping takes whichever page size
-    `huge_pages_fault_faster` measured here (advised either way, which also marks it in /proc/PID/smaps
-    as the pool: 'hg' or 'nh')."""
+    pages in. The mapping asks for base pages (MADV_NOHUGEPAGE, which also marks it in /proc/PID/smaps as
+    the pool: 'nh'): on both AVX512 kinds measured, a first touch of 1 GiB cost 4-6x more with transparent
+    huge pages (the kernel compacts memory for each one), and attention read K/V no faster from them. Huge
+    pages fault fast only while memory a large process just gave back is still contiguous, which misled a
+    start-up probe into them after a server restart: TPOT there was 3x a warm server's
+    (docs/PERFORMANCE.md)."""
     if torch.device(device).type != "cpu":
         return torch.zeros(dims, dtype=dtype, device=device)
     num_bytes = torch.empty((), dtype=dtype).element_size()
@@ -91,40 +91,8 @@ def zeroed(dims: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
         num_bytes *= dim
     if num_bytes == 0:
         return torch.zeros(dims, dtype=dtype)
-    memory = _anonymous(num_bytes, huge=huge_pages_fault_faster())
-    return torch.frombuffer(memory, dtype=dtype).view(dims)
-
-
-def _anonymous(num_bytes: int, huge: bool) -> mmap.mmap:
-    # Private: the kernel gives transparent huge pages to private anonymous memory, not to shared.
+    # Private: a shared mapping would be zero-filled shmem, which is a file; private anonymous is plain RAM.
     memory = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux only; elsewhere plain pages
-        memory.madvise(mmap.MADV_HUGEPAGE if huge else mmap.MADV_NOHUGEPAGE)
-    return memory
-
-
-_PROBE_SLICE = 4 << 20  # two huge pages
-_PROBE_SLICES = 8  # of each page size: 32 MiB each way, 50-80 ms in all (measured on 2 AVX512 cores)
-
-
-@functools.cache
-def huge_pages_fault_faster() -> bool:
-    """Whether faulting in fresh memory is faster with transparent huge pages than with base pages, timed
-    once per process over 32 MiB of each, in alternating slices so that a neighbour's burst weighs on both.
-    Every slice stays mapped until the end: a huge page just given back (by an earlier slice, or a process
-    that ended) can come back already zeroed and fault in 40x faster than a fresh one, which is not what a
-    pool of gigabytes meets. Some still can (a restarted server's), so the probe may favour huge pages once
-    in a while; that costs a few percent of a run, not correctness."""
-    if not hasattr(mmap, "MADV_HUGEPAGE"):
-        return False
-    seconds = {True: 0.0, False: 0.0}
-    slices = []
-    for huge in (True, False) * _PROBE_SLICES:
-        memory = _anonymous(_PROBE_SLICE, huge)
-        started = time.perf_counter()
-        torch.frombuffer(memory, dtype=torch.uint8).fill_(1)
-        seconds[huge] += time.perf_counter() - started
-        slices.append(memory)
-    for memory in slices:
-        memory.close()
-    return seconds[True] < seconds[False]
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux only; elsewhere base pages anyway
+        memory.madvise(mmap.MADV_NOHUGEPAGE)
+    return torch.frombuffer(memory, dtype=dtype).view(dims)
