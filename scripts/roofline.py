@@ -6,6 +6,11 @@ times steps of the engine with every linear layer, attention call and K/V write 
 achieved GFLOP/s of the GEMMs (2·rows·in·out per call), GB/s of attention (the K/V bytes of every
 sequence's context, read once per layer), and the share of the step that is neither. Prints a markdown
 table; the figures are medians over `--repeats` steps.
+
+Then the floor of whole offline runs (`--floor-workloads`, those of `pagedllm bench throughput` at
+`--num-prompts`, its defaults): every GEMM FLOP and prompt-attention FLOP at the GEMM peak plus every K/V
+byte decode reads at the read peak. No engine runs a workload faster than its floor; 1.5x a measured run
+needs that run's time / 1.5 to stay above it.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import torch
 import pagedllm.attention.cpu as cpu_attention
 import pagedllm.models.decoder as decoder
 from pagedllm import LLM, SamplingParams
+from pagedllm.benchmarks.workloads import Workload, make_workload
+from pagedllm.models.config import ModelConfig
 from pagedllm.models.prepack import prepacked
 
 
@@ -168,11 +175,70 @@ def row(name: str, figures: StepFigures, gemm_peak_gflops: float, read_peak_gbs:
     )
 
 
+@dataclass(frozen=True)
+class RunFloor:
+    prefill_flop: float  # prompts through every linear layer, their last token through the LM head, attention
+    decode_steps: tuple[int, ...]  # rows of each decode step, every request admitted at once
+    flop_per_row: float  # a decoded token through every linear layer and the LM head
+    weight_bytes: float  # what every decode step reads, however few its rows
+    kv_bytes: float  # what decode reads: each new token's whole context, every layer, K and V
+
+    def seconds(self, gemm_peak_gflops: float, read_peak_gbs: float) -> float:
+        """Prefill at the GEMM peak; each decode step at the slower of its arithmetic and its weight read;
+        decode's K/V reads at the read peak."""
+        gemm, read = gemm_peak_gflops * 1e9, read_peak_gbs * 1e9
+        decode = sum(max(rows * self.flop_per_row / gemm, self.weight_bytes / read) for rows in self.decode_steps)
+        return self.prefill_flop / gemm + decode + self.kv_bytes / read
+
+
+def run_floor(workload: Workload, config: ModelConfig, linear_params: int, element_size: int) -> RunFloor:
+    """The arithmetic and the memory traffic of `workload` (greedy, one sequence a request): a prompt's
+    tokens go through every linear layer and its last one through the LM head (`vocab x hidden`), with
+    causal attention over the prompt; each later output token goes through both and reads its context."""
+    head_params = config.vocab_size * config.hidden_size
+    layers, dim = config.num_hidden_layers, config.head_dim
+    kv_per_position = 2 * layers * config.num_key_value_heads * dim * element_size
+    prefill = kv = 0.0
+    decoded = [request.output_len - 1 for request in workload.requests]
+    for request, count in zip(workload.requests, decoded, strict=True):
+        prompt = len(request.prompt)
+        prefill += 2.0 * (prompt * linear_params + head_params)
+        prefill += 4.0 * layers * config.num_attention_heads * dim * prompt * (prompt + 1) / 2
+        kv += kv_per_position * (count * prompt + count * (count + 1) / 2)  # token j sees prompt + j positions
+    steps = tuple(sum(count >= step for count in decoded) for step in range(1, max(decoded, default=0) + 1))
+    return RunFloor(
+        prefill, steps, 2.0 * (linear_params + head_params), (linear_params + head_params) * element_size, kv
+    )
+
+
+def print_floors(llm: LLM, names: list[str], num_prompts: int, gemm_peak_gflops: float, read_peak_gbs: float) -> None:
+    model = llm.engine.worker.runner.model
+    config = model.config
+    linear_params = sum(
+        module.weight.numel()
+        for module in model.modules()
+        if isinstance(module, decoder.Linear) and module is not model.lm_head
+    )
+    element_size = torch.empty((), dtype=llm.engine.config.torch_dtype).element_size()
+    print(f"\n| workload (N={num_prompts}) | prefill TFLOP | decode steps | decode TFLOP | decode K/V GB | floor |")
+    print("|---|---|---|---|---|---|")
+    for name in names:
+        workload = make_workload(name, num_prompts, config.vocab_size, min(4096, config.max_position_embeddings))
+        floor = run_floor(workload, config, linear_params, element_size)
+        decode_flop = sum(floor.decode_steps) * floor.flop_per_row
+        print(
+            f"| {name} | {floor.prefill_flop / 1e12:.2f} | {len(floor.decode_steps)} | {decode_flop / 1e12:.2f} | "
+            f"{floor.kv_bytes / 1e9:.1f} | {floor.seconds(gemm_peak_gflops, read_peak_gbs):.1f} s |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--decode-seqs", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--floor-workloads", default="synthetic,sharegpt-like")
+    parser.add_argument("--num-prompts", type=int, default=128)
     args = parser.parse_args()
     gemm_peak_gflops, read_peak_gbs = gemm_peak(), read_peak()
     llm = LLM()
@@ -194,6 +260,8 @@ def main() -> None:
             read_peak_gbs,
         )
     )
+    names = [name for name in args.floor_workloads.split(",") if name]
+    print_floors(llm, names, args.num_prompts, gemm_peak_gflops, read_peak_gbs)
 
 
 if __name__ == "__main__":
