@@ -97,7 +97,11 @@ class OutputProcessor:
 
 
 def _prompt_logprobs(group: SequenceGroup) -> PromptLogprobs | None:
-    """Once the prompt is scored: None for its first token (nothing predicts it), then each token's entry."""
+    """Once the prompt is scored: None for its first token (nothing predicts it), then each token's entry.
+    Beam search scores no prompt (its parameters have no prompt_logprobs), and once every beam has ended
+    at EOS its group holds no sequence at all."""
+    if group.beam is not None:
+        return None
     first = group.seqs[0]
     if first.prompt_logprobs is None or first.num_prompt_logprobs_missing:
         return None

@@ -4,8 +4,10 @@ parallel samples forked on shared blocks, best_of, and beam search against a ref
 
 from __future__ import annotations
 
+import json
 import math
 import random
+import shutil
 
 import pytest
 import torch
@@ -163,6 +165,28 @@ def reference_beam_search(folder, prompt: list[int], width: int, max_tokens: int
         return cum / (len(tokens) - (tokens[-1] == eos)) ** length_penalty
 
     return sorted(finished, key=score, reverse=True)[:width]
+
+
+def test_beam_search_whose_every_beam_ends_at_the_first_token(tiny_llama, tmp_path):
+    """Every beam's first pick is EOS: the search ends with that one finished beam and no live sequence
+    left (a request whose group had none left failed with an IndexError), and the engine serves on."""
+    prompt = prompts_of([11], seed=5)[0]
+    first = (
+        LLM(model=tiny_llama, dtype="float32")
+        .generate([prompt], SamplingParams(temperature=0.0, max_tokens=1))[0]
+        .outputs[0]
+        .token_ids[0]
+    )
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_llama, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [first]}))
+    llm = LLM(model=folder, dtype="float32", block_size=4)
+    [result] = llm.beam_search([prompt], BeamSearchParams(beam_width=1, max_tokens=8))
+    assert result.finished
+    assert [(c.token_ids, c.finish_reason) for c in result.outputs] == [([first], "stop")]
+    again = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=3))[0].outputs[0]
+    assert again.token_ids[0] == first and again.finish_reason == "stop"
+    assert llm.stats().kv_blocks_used == 0
 
 
 @pytest.mark.parametrize("length_penalty", [1.0, 0.5])
