@@ -8,7 +8,8 @@ sequence's context, read once per layer), and the share of the step that is neit
 table; the figures are medians over `--repeats` steps.
 
 Then the floor of whole offline runs (`--floor-workloads`, those of `pagedllm bench throughput` at
-`--num-prompts`, its defaults): every GEMM FLOP and prompt-attention FLOP at the GEMM peak plus every K/V
+`--num-prompts`, its defaults): prefill's GEMM and attention FLOPs at the GEMM peak, each decode step (every
+request admitted at once) at the slower of its GEMM FLOPs and its read of all the weights, and every K/V
 byte decode reads at the read peak. No engine runs a workload faster than its floor; 1.5x a measured run
 needs that run's time / 1.5 to stay above it.
 """
@@ -26,6 +27,7 @@ import torch
 import pagedllm.attention.cpu as cpu_attention
 import pagedllm.models.decoder as decoder
 from pagedllm import LLM, SamplingParams
+from pagedllm.benchmarks.throughput import MAX_MODEL_LEN
 from pagedllm.benchmarks.workloads import Workload, make_workload
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.prepack import prepacked
@@ -222,8 +224,9 @@ def print_floors(llm: LLM, names: list[str], num_prompts: int, gemm_peak_gflops:
     element_size = torch.empty((), dtype=llm.engine.config.torch_dtype).element_size()
     print(f"\n| workload (N={num_prompts}) | prefill TFLOP | decode steps | decode TFLOP | decode K/V GB | floor |")
     print("|---|---|---|---|---|---|")
+    max_model_len = min(MAX_MODEL_LEN, config.max_position_embeddings)  # as `bench throughput` bounds them
     for name in names:
-        workload = make_workload(name, num_prompts, config.vocab_size, min(4096, config.max_position_embeddings))
+        workload = make_workload(name, num_prompts, config.vocab_size, max_model_len)
         floor = run_floor(workload, config, linear_params, element_size)
         decode_flop = sum(floor.decode_steps) * floor.flop_per_row
         print(

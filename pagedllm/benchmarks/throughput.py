@@ -47,6 +47,7 @@ from pagedllm.sampling_params import SamplingParams
 
 ENGINES = ("pagedllm", "hf-static", "hf-cb", "vllm")
 VLLM_RUNNER = Path(__file__).with_name("vllm_runner.py")
+MAX_MODEL_LEN = 4096  # the default --max-model-len, which also bounds the workloads' lengths
 
 
 @dataclass(frozen=True, slots=True)
@@ -359,7 +360,7 @@ def add_bench_throughput_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN)
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--vllm-python", default=None, help="python of the venv holding vLLM (see docs/VLLM_CPU.md)")
     parser.add_argument("--check", type=int, default=4, help="requests checked against transformers (greedy)")
