@@ -5,6 +5,8 @@ its timeout; no process outlives the engine."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import signal
 import socket
@@ -73,6 +75,42 @@ def test_tensor_parallel_equals_one_process(gqa_model, world_size):
     assert llm.stats().prefix_cache_hits > 0
     llm.engine.shutdown()
     assert children() <= before
+
+
+def qwen2_shard_bytes(folder: Path, world_size: int) -> int:
+    """The float32 bytes one rank of `world_size` keeps of a Qwen2 model (q/k/v biases, no o bias),
+    counted from its config.json alone: query heads, MLP channels and vocabulary rows (zero-padded) split
+    over the ranks, KV heads split or (fewer than ranks) one each, norms whole."""
+    config = json.loads((folder / "config.json").read_text())
+    hidden, head_dim, layers = config["hidden_size"], config["head_dim"], config["num_hidden_layers"]
+    q = config["num_attention_heads"] // world_size * head_dim
+    kv = max(1, config["num_key_value_heads"] // world_size) * head_dim
+    mlp = config["intermediate_size"] // world_size
+    layer = (q + 2 * kv) * (hidden + 1) + q * hidden + 3 * mlp * hidden + 2 * hidden
+    vocab = math.ceil(config["vocab_size"] / world_size) * hidden
+    return 4 * (layers * layer + 2 * vocab + hidden)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_each_rank_holds_its_shard_and_the_ranks_sum_their_parts(gqa_model, world_size):
+    """The token tests above would pass with every rank running the whole model: each rank's own process
+    says what it holds and that it took part in the sums."""
+    llm = LLM(model=gqa_model, dtype="float32", block_size=4, tensor_parallel_size=world_size)
+    llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    reports = llm.engine.worker.shard_reports()
+    llm.engine.shutdown()
+    (whole,) = LLM(model=gqa_model, dtype="float32").engine.worker.shard_reports()
+    assert whole.parameter_bytes == qwen2_shard_bytes(gqa_model, 1)
+    assert whole.collectives.all_reduce == 0
+    assert len(reports) == world_size
+    for report in reports:
+        assert report.parameter_bytes == qwen2_shard_bytes(gqa_model, world_size)
+        assert report.kv_heads == 1  # 2 KV heads: split over 2 ranks, one each of 4
+    # Per forward pass: the embedding's sum, then o_proj's and down_proj's in each layer; every rank the same.
+    layers = json.loads((gqa_model / "config.json").read_text())["num_hidden_layers"]
+    counts = reports[0].collectives
+    assert counts.all_reduce > 0 and counts.all_reduce % (2 * layers + 1) == 0 and counts.all_gather > 0
+    assert all(report.collectives == counts for report in reports)
 
 
 def test_tied_embeddings_and_eight_queries_per_kv_head(tiny_llama_tied_gqa8):

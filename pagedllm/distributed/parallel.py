@@ -1,5 +1,6 @@
 """The tensor-parallel group on torch.distributed: who this process is, and the three collectives the
-model needs (sum of partial products, gather of vocabulary shards, the step's inputs from rank 0).
+model needs (sum of partial products, gather of vocabulary shards, the step's inputs from rank 0), with a
+count of the first two, and a gather of an object from every rank (`Worker.shard_reports`).
 
 gloo joins CPU processes (one machine or several over TCP), NCCL GPUs. A process that never joins a
 group is rank 0 of a group of one, and every collective is then the identity: the single-process
@@ -8,11 +9,15 @@ engine pays nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from dataclasses import dataclass
+from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +46,23 @@ class Shard:
         return self.rank * size, (self.rank + 1) * size
 
 
+@dataclass(slots=True)
+class CollectiveCounts:
+    """How many of the model's collectives this rank has run since it joined: they show that the work
+    was really split (a model left whole on every rank runs none), and the ranks of a group that stays in
+    step have run the same numbers."""
+
+    all_reduce: int = 0
+    all_gather: int = 0
+
+
 _shard = Shard()
+_counts = CollectiveCounts()
+
+
+def counts() -> CollectiveCounts:
+    """A copy of this rank's counts."""
+    return dataclasses.replace(_counts)
 
 
 def current() -> Shard:
@@ -51,7 +72,7 @@ def current() -> Shard:
 def join(rank: int, world_size: int, rendezvous: Rendezvous, device: str) -> Shard:
     """Join the group (gloo on CPU, NCCL on CUDA); returns this rank's shard. Fails within the timeout,
     naming the address, when the other ranks never come."""
-    global _shard
+    global _shard, _counts
     if dist.is_initialized():
         raise RuntimeError("this process already holds a tensor-parallel engine: one per process")
     backend = "nccl" if device == "cuda" else "gloo"
@@ -73,20 +94,23 @@ def join(rank: int, world_size: int, rendezvous: Rendezvous, device: str) -> Sha
             f"within {rendezvous.timeout_s:.0f} s: {error}"
         ) from error
     _shard = Shard(rank, world_size)
+    _counts = CollectiveCounts()
     return _shard
 
 
 def leave() -> None:
-    global _shard
+    global _shard, _counts
     if dist.is_initialized():
         dist.destroy_process_group()
     _shard = Shard()
+    _counts = CollectiveCounts()
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """The sum over ranks of each rank's partial `x`, in place."""
     if _shard.world_size > 1:
         dist.all_reduce(x)
+        _counts.all_reduce += 1
     return x
 
 
@@ -96,6 +120,7 @@ def all_gather_last(x: torch.Tensor) -> torch.Tensor:
         return x
     parts = [torch.empty_like(x) for _ in range(_shard.world_size)]
     dist.all_gather(parts, x.contiguous())
+    _counts.all_gather += 1
     return torch.cat(parts, dim=-1)
 
 
@@ -106,3 +131,12 @@ def broadcast_from_first(value: object) -> object:
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def gather_objects(value: T) -> list[T]:
+    """Every rank's `value` (picklable), in rank order, on every rank."""
+    if _shard.world_size == 1:
+        return [value]
+    box: list[T | None] = [None] * _shard.world_size
+    dist.all_gather_object(box, value)
+    return cast(list[T], box)

@@ -80,6 +80,22 @@ class StepInputs:
         return dataclasses.replace(self, batch=dataclasses.replace(self.batch, prompt=prompt))
 
 
+@dataclass(frozen=True, slots=True)
+class ReportShards:
+    """Rank 0's message, in place of a step's inputs: every rank answers with its `ShardReport`."""
+
+
+@dataclass(frozen=True, slots=True)
+class ShardReport:
+    """What one rank holds and has done, to see that the model is really split across processes."""
+
+    # Of its parameters as loaded and sharded; a prepacked weight counts as its plain shape (the parameter
+    # stays, on the meta device, with that shape and dtype).
+    parameter_bytes: int
+    kv_heads: int  # of its KV cache
+    collectives: parallel.CollectiveCounts  # this process's, since it joined its group (none outside one)
+
+
 class StepTimer:
     """Accumulates wall time per phase of a step, so a benchmark can say where the time goes."""
 
@@ -142,17 +158,37 @@ class Worker:
         return ModelOutput(rows, prompt)
 
     def follow(self) -> None:
-        """The loop of every rank but 0: carry out rank 0's steps until it sends None."""
-        while (inputs := parallel.broadcast_from_first(None)) is not None:
-            self._move_blocks(inputs)
-            if inputs.batch is not None:
-                _, prompt_hidden = self.runner.run(inputs.batch)
-                if prompt_hidden is not None:
-                    for _ in self.runner.prompt_logits(prompt_hidden):
-                        pass  # the logits gather is a collective: every rank takes part
+        """The loop of every rank but 0: carry out rank 0's steps (and answer its `ReportShards`) until it
+        sends None."""
+        while (message := parallel.broadcast_from_first(None)) is not None:
+            if isinstance(message, ReportShards):
+                parallel.gather_objects(self.shard_report())
+            else:
+                self._follow_step(message)
+
+    def _follow_step(self, inputs: StepInputs) -> None:
+        self._move_blocks(inputs)
+        if inputs.batch is not None:
+            _, prompt_hidden = self.runner.run(inputs.batch)
+            if prompt_hidden is not None:
+                for _ in self.runner.prompt_logits(prompt_hidden):
+                    pass  # the logits gather is a collective: every rank takes part
 
     def stop_followers(self) -> None:
         parallel.broadcast_from_first(None)
+
+    def shard_report(self) -> ShardReport:
+        """This process's report."""
+        parameter_bytes = sum(p.numel() * p.element_size() for p in self.runner.model.parameters())
+        return ShardReport(parameter_bytes, self.cache.shape.num_kv_heads, parallel.counts())
+
+    def shard_reports(self) -> list[ShardReport]:
+        """Every rank's report, in rank order (rank 0 asks the others, between steps); this process's alone
+        outside a group."""
+        if not self.leads_group:
+            return [self.shard_report()]
+        parallel.broadcast_from_first(ReportShards())
+        return parallel.gather_objects(self.shard_report())
 
     def _move_blocks(self, inputs: StepInputs) -> None:
         self.cache.swap_out(inputs.swap_out)
