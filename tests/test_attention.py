@@ -1,5 +1,6 @@
 """Every CPU attention path against the plain reference: shuffled and shared blocks, edge lengths,
-mixed prefill and decode, grouped-query ratios, head dims, block sizes, float32 and bfloat16.
+mixed prefill and decode, grouped-query ratios, head dims, block sizes, float32 and bfloat16; and the bf16
+kernels within a bound from bf16's precision of exact attention, up to 4k positions.
 
 The CPU paths are the C kernel's two implementations (AVX512-BF16 where this machine's compiler targets
 it, and the portable C one every other machine runs) and the torch fallback for machines without a
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from pagedllm.attention import AttentionMetadata, cpu, get_backend, paged_attention, write_kv
+from pagedllm.attention.reference import gather_sequence
 
 # (atol, rtol): bf16 keeps 8 bits of mantissa, so beyond magnitude 1 two correct roundings of the same
 # float32 result can differ by one ulp (1/64 at magnitude 2..4): its tolerance must be relative too.
@@ -401,3 +403,78 @@ def test_window_and_softcap_reach_every_backend_call(monkeypatch):
     torch.testing.assert_close(got.float(), expected.float(), atol=1e-2, rtol=1e-2)
     with pytest.raises(ValueError, match="window and softcap"):
         paged_attention(query, k_cache, v_cache, tables, lens, starts, 0.125, window=-1)
+
+
+# The bf16 kernels against exact attention on the same bf16 inputs, with a bound from bf16's precision
+# rather than a fixed tolerance. bf16 keeps 8 significant bits: one rounding to nearest moves a value by at
+# most half an ulp, 2^-8 of it. The AVX512 kernel rounds twice:
+#  - each probability p_j, before P.V (both sums use the rounded ones): out' = sum_j p_j (1 + d_j) v_j /
+#    sum_j p_j (1 + d_j), so out' - out = sum_j p_j d_j (v_j - out) / sum_j p_j (1 + d_j), at most 2^-8 of
+#    the weighted mean of |v_j - out|, itself at most the weighted standard deviation of v (Jensen);
+#  - the output, by at most 2^-8 of it.
+# The portable kernel rounds the output only. float32's sums of n terms are good to n 2^-24 of the sum of
+# their magnitudes (Higham's gamma_n), here at most spread + |out|; exp2's polynomial (~1e-7) is far below.
+# So both stay within (2^-8 + n 2^-24) x (spread + |out|), element by element; P.V accumulated in bf16, or
+# an output an ulp or two off, do not.
+BF16_ROUNDING = 2.0**-8
+FLOAT32_ROUNDING = 2.0**-24
+BF16_IMPLEMENTATIONS = [i for i in IMPLEMENTATIONS if i != "torch"]
+# (context lengths, query tokens): decode tokens of up to 4k positions (one item each); one 4k decode token
+# alone (split by KV head); a 200-token chunk after a 3896-token prefix, a whole 1100-token prompt (tiles of
+# query rows) and a decode token in one batch.
+LONG_CASES = {
+    "decode": ([4096, 3001, 2065, 700, 17, 1], [1] * 6),
+    "one_decode": ([4096], [1]),
+    "prefill": ([4096, 1100, 2500], [200, 1100, 1]),
+}
+
+
+def exact_attention(query, k_cache, v_cache, tables, lens, starts, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 attention over the inputs as given, and each output element's spread: the standard deviation
+    of its value column under the query's attention weights."""
+    group = query.shape[1] // k_cache.shape[2]
+    out, spread = torch.empty(query.shape, dtype=torch.float64), torch.empty(query.shape, dtype=torch.float64)
+    for s, seq_len in enumerate(lens.tolist()):
+        start, end = int(starts[s]), int(starts[s + 1])
+        keys = gather_sequence(k_cache, tables[s], seq_len).double().repeat_interleave(group, dim=1).transpose(0, 1)
+        values = gather_sequence(v_cache, tables[s], seq_len).double().repeat_interleave(group, dim=1).transpose(0, 1)
+        q = query[start:end].double().transpose(0, 1)  # [H, queries, D]
+        scores = q @ keys.transpose(1, 2) * scale  # [H, queries, positions]
+        positions = torch.arange(seq_len - (end - start), seq_len)
+        scores.masked_fill_(torch.arange(seq_len)[None, :] > positions[:, None], float("-inf"))
+        weights = torch.softmax(scores, dim=-1)
+        mean = weights @ values
+        out[start:end] = mean.transpose(0, 1)
+        spread[start:end] = (weights @ values.square() - mean.square()).clamp_min(0).sqrt().transpose(0, 1)
+    return out, spread
+
+
+@pytest.mark.parametrize("implementation", BF16_IMPLEMENTATIONS)
+@pytest.mark.parametrize("block_size", [16, 24])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 1, 128)])
+@pytest.mark.parametrize("case", list(LONG_CASES))
+def test_bf16_kernels_within_bf16_precision_of_exact_attention_up_to_4k(
+    monkeypatch, implementation, block_size, num_heads, num_kv_heads, head_dim, case
+):
+    use(implementation, monkeypatch)
+    lens, query_lens = LONG_CASES[case]
+    query, k_cache, v_cache, tables, seq_lens, starts = make_case(
+        block_size, num_heads, num_kv_heads, head_dim, torch.bfloat16, lens, query_lens, seed=12, unused=float("nan")
+    )
+    # Outputs of order 1: every value column has an offset of magnitude 1 to 2 (random noise around it of
+    # 0.5), and queries twice as large make the weights neither flat nor one-hot.
+    gen = torch.Generator().manual_seed(13)
+    sign = torch.randint(0, 2, (num_kv_heads, head_dim), generator=gen) * 2 - 1
+    offset = sign * (1 + torch.rand(num_kv_heads, head_dim, generator=gen))
+    v_cache = (v_cache.float() * 0.5 + offset).to(torch.bfloat16)
+    query = (query.float() * 2).to(torch.bfloat16)
+    scale = head_dim**-0.5
+    got = paged_attention(query, k_cache, v_cache, tables, seq_lens, starts, scale, backend="cpu").double()
+    exact, spread = exact_attention(query, k_cache, v_cache, tables, seq_lens, starts, scale)
+    assert float(exact.abs().median()) > 0.5
+    bound = (BF16_ROUNDING + max(lens) * FLOAT32_ROUNDING) * (spread + exact.abs())
+    excess = (got - exact).abs() / bound
+    worst = int(excess.argmax())
+    assert float(excess.max()) <= 1.0, (
+        f"{got.flatten()[worst]:.6f} vs exact {exact.flatten()[worst]:.6f}: {float(excess.max()):.2f}x the bound"
+    )
