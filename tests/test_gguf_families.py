@@ -22,7 +22,6 @@ from pagedllm.models.gguf import (
     llama3_rope_factors,
     llama3_rope_scaling,
 )
-from pagedllm.models.loader import SUPPORTED_ARCHITECTURES
 from tests.conftest import build_tokenizer
 
 COMMON = dict(
@@ -96,12 +95,13 @@ FAMILIES = {
         "qwen3_moe",
         dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
     ),
-    "qwen2_moe": Family(
-        gguf.MODEL_ARCH.QWEN2MOE,
-        "qwen2_moe",
-        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48),
-    ),
 }
+# Refused (pagedllm has no shared expert): written only to see it refused.
+QWEN2_MOE = Family(
+    gguf.MODEL_ARCH.QWEN2MOE,
+    "qwen2_moe",
+    dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48),
+)
 
 
 def save_tiny_family(folder: Path, family: Family, seed: int = 0) -> Path:
@@ -340,13 +340,8 @@ def test_transformers_loads_the_folder_and_computes_the_same(round_trip) -> None
 
 
 def test_engine_generates_the_same_from_the_gguf(round_trip, monkeypatch: pytest.MonkeyPatch) -> None:
-    """pagedllm runs the GGUF file itself once it serves the architecture; until then the folder checks
-    above are what can be asserted."""
-    name, original, path, converted = round_trip
-    architecture = AutoConfig.from_pretrained(converted).architectures[0]
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        assert name not in ("llama", "mistral")  # the families pagedllm runs today
-        return
+    """pagedllm runs the GGUF file itself: the same greedy tokens as from the original folder."""
+    _, original, path, converted = round_trip
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(converted.parent.parent))  # reuse the conversion
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 380) for _ in range(n)] for n in (1, 7, 30)]
@@ -422,6 +417,18 @@ def test_truncated_metadata(llama_gguf: Path, tmp_path: Path) -> None:
 def test_unsupported_architecture_lists_the_supported_ones(llama_gguf: Path, tmp_path: Path) -> None:
     other = rewrite(llama_gguf, tmp_path / "mamba.gguf", arch="mamba")
     assert_fails_cleanly(other, tmp_path / "cache", "'mamba' is not supported", ", ".join(SUPPORTED_GGUF_ARCHITECTURES))
+
+
+def test_qwen2moe_is_refused_naming_the_architecture(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers converts it, but pagedllm has no shared expert to run it with: refused before any tensor
+    is read, by the converter and so by the engine."""
+    path = tmp_path / "tiny-qwen2moe.gguf"
+    write_gguf(save_tiny_family(tmp_path / "hf", QWEN2_MOE), path, QWEN2_MOE)
+    refused = "GGUF architecture 'qwen2moe' is not supported: Qwen2-MoE's shared expert"
+    assert_fails_cleanly(path, tmp_path / "cache", refused, ", ".join(SUPPORTED_GGUF_ARCHITECTURES))
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "engine-cache"))
+    with pytest.raises(ValueError, match=refused):
+        LLM(model=path, dtype="float32")
 
 
 def test_missing_metadata_key(llama_gguf: Path, tmp_path: Path) -> None:
