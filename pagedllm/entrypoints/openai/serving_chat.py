@@ -96,7 +96,9 @@ class _Reply:
     @classmethod
     def of(cls, completion: CompletionOutput, parser: tool_parsers.ToolParser | None) -> _Reply:
         parsed = parser.parse(completion.text) if parser is not None else tool_parsers.Parsed(completion.text)
-        return cls(parsed, "tool_calls" if parsed.calls else completion.finish_reason)
+        # A reply the length limit cut says so, calls or not: the calls given are those completed before the cut.
+        called = parsed.calls and completion.finish_reason != "length"
+        return cls(parsed, "tool_calls" if called else completion.finish_reason)
 
 
 @dataclass(frozen=True, slots=True)

@@ -226,19 +226,42 @@ class NamedCallParser:
 
 
 class RequiredCallsParser:
-    """tool_choice "required": the constrained reply is a JSON array of calls (`required_schema`)."""
+    """tool_choice "required": the constrained reply is a JSON array of calls (`required_schema`). An array
+    the length limit cut still gives the calls completed before the cut: a model that repeats a call and
+    never closes the array would otherwise leave a client that required a call with none."""
 
     def parse(self, text: str) -> Parsed:
         try:
-            values = json.loads(text)
-            if not isinstance(values, list):
-                return Parsed(text)
-            return Parsed(None, tuple(_call(value) for value in values))
-        except ValueError:
+            calls = tuple(_call(value) for value in _whole_items(text))
+        except _NotACall:
             return Parsed(text)
+        return Parsed(None, calls) if calls else Parsed(text)
 
     def settled(self, text: str) -> int:
         return 0
+
+
+_WHITESPACE = re.compile(r"[ \t\n\r]*")  # JSON's
+
+
+def _whole_items(text: str) -> list[object]:
+    """The items of the JSON array `text` that are whole, though the array may be cut anywhere (none if `text`
+    is no array). The reply is constrained to the array, so the first item that does not decode is the one
+    the cut fell in; the calls are objects, which cannot decode before their closing brace."""
+    decoder = json.JSONDecoder()
+    position = _WHITESPACE.match(text).end()
+    items: list[object] = []
+    separator = "["
+    while text.startswith(separator, position):
+        position = _WHITESPACE.match(text, position + 1).end()
+        try:
+            item, position = decoder.raw_decode(text, position)
+        except ValueError:  # the cut, or the "]" of an empty array
+            return items
+        items.append(item)
+        position = _WHITESPACE.match(text, position).end()
+        separator = ","
+    return items
 
 
 def auto_parser(name: str, template: str | None) -> ToolParser:
