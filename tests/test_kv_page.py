@@ -1,5 +1,5 @@
 """The live KV-cache page over real HTTP: `pagedllm serve` as a subprocess under load, `/kv/snapshot` checked
-against its own tables, the API key (header or `?api_key=`), unknown paths, clients that never read
+against its own tables, the API key (header or `?api_key=`), unknown paths, clients that stop reading
 `/kv/events`, and the page itself in headless Chromium (Debian's `chromium` and `chromedriver`, driven by
 Selenium pointed at both, so nothing is downloaded)."""
 
@@ -28,14 +28,16 @@ SHARED = "Paged attention stores the key value cache in fixed size blocks. " * 3
 
 
 class Load:
-    """Completions sent back to back from a few threads until stopped: shared prefixes, forks (n=2)."""
+    """Completions sent back to back from a few threads until stopped: shared prefixes, forks (n=2). A thread
+    keeps what failed it, and leaving the `with` raises it in the test's thread: an assert failing inside a
+    thread only prints a warning, and the test would pass."""
 
     def __init__(self, server: ServerProcess, threads: int = 4, max_tokens: int = 64) -> None:
         self._server = server
         self._stop = threading.Event()
         self._body = {"model": "tiny", "max_tokens": max_tokens, "n": 2, "temperature": 1.0, "ignore_eos": True}
         self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)]
-        self.completed = 0
+        self.errors: list[Exception] = []
 
     def __enter__(self) -> Load:
         for thread in self._threads:
@@ -46,15 +48,23 @@ class Load:
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=60)
+        assert not any(thread.is_alive() for thread in self._threads), "a load thread is stuck in a request"
+        if self.errors:
+            raise AssertionError(f"{len(self.errors)} load thread(s) failed, the first as above") from self.errors[0]
 
     def _run(self, index: int) -> None:
+        try:
+            self._send_until_stopped(index)
+        except Exception as error:  # any: raised again in the test's thread by __exit__
+            self.errors.append(error)
+
+    def _send_until_stopped(self, index: int) -> None:
         with httpx.Client(base_url=self._server.url, headers=AUTH, timeout=60) as client:
             round_ = 0
             while not self._stop.is_set():
                 prompt = f"{SHARED}{index} {round_}"
                 response = client.post("/v1/completions", json=self._body | {"prompt": prompt})
                 assert response.status_code == 200, response.text
-                self.completed += 1
                 round_ += 1
 
 
@@ -155,20 +165,33 @@ def steps_per_second(server: ServerProcess, seconds: float) -> float:
 
 
 def stalled_client(server: ServerProcess) -> socket.socket:
-    """A /kv/events client that sends its request and never reads a byte, with a tiny receive buffer so that
-    the server's side fills up quickly."""
+    """A /kv/events client that reads until the stream has started sending snapshots, then never reads another
+    byte, with a tiny receive buffer so that the server's side fills up quickly. A stream that sent nothing
+    would stall no one, so it fails here."""
     host, port = server.url.removeprefix("http://").split(":")
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(10)
     sock.connect((host, int(port)))
     sock.sendall(f"GET /kv/events?api_key={KEY} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+    received = b""
+    while b"event: snapshot" not in received:
+        try:
+            chunk = sock.recv(4096)
+        except TimeoutError:
+            chunk = b""
+        assert chunk, f"/kv/events sent no snapshot before it went quiet or closed, only {received[:300]!r}"
+        received += chunk
+    assert received.startswith(b"HTTP/1.1 200 "), received[:300]
+    assert b"event: history" in received
     return sock
 
 
 def test_stalled_event_clients_neither_grow_memory_nor_slow_steps(tiny_llama, tmp_path):
     """Under steady load, on a pool of 60,000 blocks (an 80 kB frame ten times a second per client), sixteen clients
-    that never read: buffered, their frames would add 16 × 10 × 80 kB = 12.8 MB a second. Compared with a window
-    of the same load without them, the server's memory grows no faster and the engine steps as fast."""
+    that stop reading once their stream has sent its first snapshot: buffered, their frames would add
+    16 × 10 × 80 kB = 12.8 MB a second. Compared with a window of the same load without them, the server's memory
+    grows no faster and the engine steps as fast."""
     log = tmp_path / "server.log"
     flags = ["--api-key", KEY, "--served-model-name", "tiny", "--num-kv-blocks", "60000", "--dtype", "bfloat16"]
     server = start_server(tiny_llama, log, *flags)
