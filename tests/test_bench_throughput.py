@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
+from pagedllm.benchmarks.near_tie import NEAR_TIE
 from pagedllm.benchmarks.throughput import (
     BenchSetup,
     EngineResult,
@@ -86,6 +88,36 @@ def test_a_run_whose_tokens_are_wrong_is_an_error(tiny_long_llama):
     wrong.sample[1][3] = 383 if wrong.sample[1][3] != 383 else 382
     with pytest.raises(RuntimeError, match=r"x: sequence 1 parts at token 3: .* log-prob gap"):
         check_samples(setup, workload, [wrong])
+
+
+def at_a_near_tie(model, prompt: tuple[int, ...], tokens: list[int]) -> list[int]:
+    """`tokens` parted from where the float32 model's two best next tokens are closest (well within NEAR_TIE
+    on the tiny model), by taking the other of the two there."""
+    with torch.inference_mode():
+        logprobs = model(torch.tensor([[*prompt, *tokens]])).logits[0, len(prompt) - 1 : -1].log_softmax(-1)
+    best = logprobs.topk(2)
+    at = int((best.values[:, 0] - best.values[:, 1]).argmin())
+    assert float(best.values[at, 0] - best.values[at, 1]) < NEAR_TIE / 2
+    first, second = best.indices[at].tolist()
+    return [*tokens[:at], second if tokens[at] == first else first, *tokens[at + 1 :]]
+
+
+def test_the_judge_needs_most_sequences_exact_not_only_near_ties(tiny_long_llama):
+    # Seed 2: each of the four greedy sequences has a near-tie well within NEAR_TIE (seed 0's second, barely).
+    workload = make_workload("synthetic", 4, 384, 1024, seed=2)
+    setup = setup_for(tiny_long_llama)
+    (paged,) = run_engines(setup, workload, ["pagedllm"])
+    assert paged.check == "4/4 exact"
+    model = AutoModelForCausalLM.from_pretrained(tiny_long_llama, dtype=torch.float32).eval()
+    parted = [at_a_near_tie(model, r.prompt, tokens) for r, tokens in zip(workload.requests, paged.sample, strict=True)]
+    one = EngineResult("one", 1.0, 1.0, 1.0, 1.0, 1.0, sample=[parted[0], *paged.sample[1:]])
+    check_samples(setup, workload, [one])
+    assert one.check == "3/4 exact, 1 near-tie"
+    # Half exact is not most: an engine that parts at a near-tie in every other sequence is off everywhere.
+    for wrong, exact in ((2, 2), (4, 0)):
+        result = EngineResult("x", 1.0, 1.0, 1.0, 1.0, 1.0, sample=[*parted[:wrong], *paged.sample[wrong:]])
+        with pytest.raises(RuntimeError, match=rf"x: {exact}/4 exact, {wrong} near-ties, at least 3 exact needed"):
+            check_samples(setup, workload, [result])
 
 
 @pytest.mark.parametrize("name", WORKLOADS)
