@@ -1,20 +1,26 @@
 """`pagedllm bench soak` against a live server with the default model: a few hundred requests, a share of them
-from clients that leave or time out, and the server must end at rest, unharmed and answering the same."""
+from clients that leave or time out, and the server must end at rest, unharmed, and have answered every
+greedy request of the mix, and a probe before and after, as the offline engine does."""
 
 from __future__ import annotations
 
 import asyncio
 import random
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 
 from pagedllm.benchmarks.soak import (
     MISBEHAVIOURS,
     Behaviour,
+    OfflineEngine,
+    Outcome,
+    RequestOutcome,
     SoakConfig,
     SoakResult,
     build_mix,
+    check_answers,
     format_result,
     parse_metrics,
     run_soak,
@@ -30,6 +36,17 @@ WARMUP_REQUESTS = 32  # grows allocators and thread pools to their working size 
 # design) the heap once grew ~1 MiB a request, oneDNN keeping a compiled primitive per step size and weight
 # shape; its caches are capped now (models/prepack.py) and Python objects and tensors stay flat.
 MAX_RSS_GROWTH_MB = 100.0
+DTYPE = "float32"  # start_server's
+
+
+@dataclass(frozen=True, slots=True)
+class FixedReference:
+    """A reference that answers every body with the same text."""
+
+    text: str
+
+    def answers(self, bodies: list[dict]) -> list[str]:
+        return [self.text] * len(bodies)
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +67,9 @@ def soak(server) -> SoakResult:
         warmup_requests=WARMUP_REQUESTS,
         server_pid=server.process.pid,
         max_rss_growth_mb=MAX_RSS_GROWTH_MB,
+        check_answers=REQUESTS,  # every greedy answer of the mix, not a sample
     )
-    return asyncio.run(run_soak(config))
+    return asyncio.run(run_soak(config, OfflineEngine(resolve_model_folder(None), DTYPE)))
 
 
 def test_the_mix_is_fixed_by_the_seed_and_covers_every_kind():
@@ -71,6 +89,23 @@ def test_the_mix_is_fixed_by_the_seed_and_covers_every_kind():
     # Leaving mid-stream needs a stream; timing out is for a whole answer.
     assert all(spec.stream for spec in first if spec.behaviour is Behaviour.LEAVE_MID_STREAM)
     assert not any(spec.stream for spec in first if spec.behaviour is Behaviour.TIME_OUT)
+
+
+def test_check_answers_spreads_its_sample_over_the_run_and_flags_a_wrong_answer():
+    specs = build_mix(random.Random(0), 60, "m")
+    outcomes = [RequestOutcome(spec.behaviour, Outcome.OK, texts=("right",) * spec.n) for spec in specs]
+    greedy = [i for i, spec in enumerate(specs) if spec.body["temperature"] == 0.0]
+    wrong = greedy[-1]
+    outcomes[wrong] = RequestOutcome(specs[wrong].behaviour, Outcome.OK, texts=("wrong",) * specs[wrong].n)
+    probes, sampled = check_answers(FixedReference("right"), specs, outcomes, ("right", "wrong"), len(specs))
+    assert [probe.ok for probe in probes] == [True, False]
+    assert len(sampled) == sum(specs[i].n for i in greedy)
+    assert [check.request.startswith(f"request {wrong} ") for check in sampled if not check.ok] == [True] * specs[
+        wrong
+    ].n
+    _, three = check_answers(FixedReference("right"), specs, outcomes, ("right", "right"), 3)
+    picked = sorted({int(check.request.split()[1]) for check in three})
+    assert len(picked) == 3 and picked[0] == greedy[0] and picked[-1] >= greedy[len(greedy) // 2]
 
 
 def test_parse_metrics_keys_labelled_samples_as_the_text_spells_them():
@@ -93,8 +128,14 @@ def test_soak_serves_everyone_and_the_server_ends_at_rest(soak, server):
     assert soak.settle.metrics["pagedllm:num_requests_running"] == 0
     assert soak.settle.metrics["pagedllm:num_requests_waiting"] == 0
     assert soak.settle.metrics["pagedllm:kv_blocks_used"] == 0
-    first, second = soak.greedy_answers
-    assert first and first == second
+    # Greedy answers are the offline engine's: the probe before the mix and after it, and every greedy
+    # request of the mix answered in full, of every kind, while the server was under load.
+    assert all(probe.ok for probe in soak.probes) and soak.probes[0].expected, soak.probes
+    assert [check for check in soak.sampled if not check.ok] == []
+    checked = " ".join(check.request for check in soak.sampled)
+    assert len(soak.sampled) >= 40, checked
+    for kind in ("/v1/completions", "/v1/chat/completions", "streamed", "whole", "n=2"):
+        assert kind in checked, kind
     assert 0 < soak.latency_p50_ms <= soak.latency_p99_ms
     assert soak.rss_growth_mib is not None and soak.rss_growth_mib < MAX_RSS_GROWTH_MB
     assert soak.ok, soak.failures
@@ -104,7 +145,8 @@ def test_soak_serves_everyone_and_the_server_ends_at_rest(soak, server):
 def test_cli_soak_prints_the_summary_and_exits_0(server, capsys):
     argv = ["bench", "soak", "--base-url", server.url, "--requests", "10", "--concurrency", "4"]
     argv += ["--warmup-requests", "0", "--seed", "3", "--server-pid", str(server.process.pid)]
-    assert main(argv) == 0
+    assert main([*argv, "--reference-dtype", DTYPE]) == 0
     out = capsys.readouterr().out
     assert "Soak Result" in out and "Verdict:" in out and "PASS" in out
+    assert "Sampled greedy answers = offline:" in out
     assert "Requests sent:" in out and "Server RSS before / after (MiB):" in out

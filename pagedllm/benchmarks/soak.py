@@ -7,12 +7,18 @@ dominate. A share of the clients misbehave: they leave mid-stream after a few ch
 right after sending (before any token), or give up after `--client-timeout` on a non-streamed request.
 
 After the run it waits (at most `--settle-timeout`) for `/metrics` to show nothing running, nothing waiting
-and no KV block referenced, sends one greedy request twice (the answers must be equal and non-empty), and,
-with `--server-pid`, compares the resident memory of the server and its child processes (the engine core)
-before and after. The check is on memory outside the KV pool: on the CPU the pool is one lazily faulted
-mapping, and the LRU free queue hands out every block once before reusing any, so the pool's RSS grows
-with traffic until all of it (4 GiB by default) has been written, by design. A `--warmup-requests` mix runs
-first and is not counted, so the baseline does not include what the first requests allocate.
+and no KV block referenced, and, with `--server-pid`, compares the resident memory of the server and its
+child processes (the engine core) before and after. The check is on memory outside the KV pool: on the CPU
+the pool is one lazily faulted mapping, and the LRU free queue hands out every block once before reusing
+any, so the pool's RSS grows with traffic until all of it (4 GiB by default) has been written, by design. A
+`--warmup-requests` mix runs first and is not counted, so the baseline does not include what the first
+requests allocate.
+
+Answers are checked against the offline engine (`LLM` on `--reference-model` in `--reference-dtype`, which
+must be what the server runs): a greedy probe sent before the mix and again after settling, and up to
+`--check-answers` of the mix's greedy requests answered in full, spread over the run, every choice of each.
+Greedy decoding is deterministic, so each must equal the offline engine's text for the same request: a
+server that answers wrongly under load, or only after it, fails. Comparing the server with itself would not.
 """
 
 from __future__ import annotations
@@ -26,16 +32,19 @@ import random
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm.benchmarks.serve import _TEXT, _first_model, _sse_data
+from pagedllm.entrypoints.llm import LLM
+from pagedllm.sampling_params import SamplingParams
 
 # The gauges that must read 0 once the server has settled: a request or block that stays is a leak.
 RUNNING = "pagedllm:num_requests_running"
@@ -83,6 +92,7 @@ class SoakConfig:
     warmup_requests: int = 0
     server_pid: int | None = None
     max_rss_growth_mb: float = 100.0
+    check_answers: int = 32  # greedy requests of the mix whose answers are compared with the offline engine's
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +119,45 @@ class RequestOutcome:
     outcome: Outcome
     latency_s: float = 0.0
     error: str = ""
+    texts: tuple[str, ...] = ()  # OK only: every choice's text (chat: content), by index
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerCheck:
+    """A greedy answer the server gave, and the offline engine's answer to the same request."""
+
+    request: str  # which request and choice, for the failure message
+    served: str
+    expected: str
+
+    @property
+    def ok(self) -> bool:
+        return self.served == self.expected
+
+
+class Reference(Protocol):
+    """What decides the right greedy answer to a request body of the mix (or the probe)."""
+
+    def answers(self, bodies: list[dict]) -> list[str]: ...
+
+
+class OfflineEngine:
+    """The offline engine on the server's model and dtype: the greedy text each body must be answered."""
+
+    def __init__(self, model: str | Path | None, dtype: str) -> None:
+        self._llm = LLM(model=model, dtype=dtype)
+
+    def answers(self, bodies: list[dict]) -> list[str]:
+        prompts = [self._llm.render_chat(b["messages"]) if "messages" in b else b["prompt"] for b in bodies]
+        outputs = self._llm.generate(prompts, [greedy_params(b) for b in bodies], use_tqdm=False)
+        return [output.outputs[0].text for output in outputs]
+
+
+def greedy_params(body: dict) -> SamplingParams:
+    """The body's fields that decide a greedy text; `n` copies of it, and logprobs, change no choice's text."""
+    return SamplingParams(
+        temperature=0.0, max_tokens=body["max_tokens"], stop=body.get("stop"), ignore_eos=body.get("ignore_eos", False)
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +203,8 @@ class SoakResult:
     settle: SettledState
     memory_before: MemorySample | None
     memory_after: MemorySample | None
-    greedy_answers: tuple[str, str]
+    probes: tuple[AnswerCheck, AnswerCheck]  # the greedy probe before the mix and after settling
+    sampled: tuple[AnswerCheck, ...]  # choices of the mix's greedy requests
     first_errors: tuple[str, ...]
     failures: tuple[str, ...] = field(default=())
 
@@ -197,6 +247,16 @@ def add_bench_soak_args(parser: argparse.ArgumentParser) -> None:
         default=100.0,
         help="fail when the server's RSS outside the KV pool grows more (with a pid)",
     )
+    parser.add_argument(
+        "--reference-model",
+        default=None,
+        help="the server's model (HF folder or .gguf) for the offline engine the answers must equal "
+        "(default: the default model, as `pagedllm serve` without --model)",
+    )
+    parser.add_argument("--reference-dtype", default="auto", help="the server's --dtype")
+    parser.add_argument(
+        "--check-answers", type=int, default=32, help="greedy requests of the mix compared with the offline engine"
+    )
 
 
 def run_bench_soak(args: argparse.Namespace) -> int:
@@ -213,17 +273,20 @@ def run_bench_soak(args: argparse.Namespace) -> int:
         warmup_requests=args.warmup_requests,
         server_pid=args.server_pid,
         max_rss_growth_mb=args.max_rss_growth_mb,
+        check_answers=args.check_answers,
     )
-    result = asyncio.run(run_soak(config))
+    result = asyncio.run(run_soak(config, OfflineEngine(args.reference_model, args.reference_dtype)))
     print(format_result(result))
     for failure in result.failures:
         print(f"pagedllm bench soak: FAIL: {failure}", file=sys.stderr)
     return 0 if result.ok else 1
 
 
-async def run_soak(config: SoakConfig) -> SoakResult:
+async def run_soak(config: SoakConfig, reference: Reference) -> SoakResult:
     if config.requests < 1 or config.concurrency < 1:
         raise ValueError("--requests and --concurrency must be at least 1")
+    if config.check_answers < 0:
+        raise ValueError("--check-answers must be at least 0")
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(
@@ -231,6 +294,7 @@ async def run_soak(config: SoakConfig) -> SoakResult:
     ) as client:
         model = config.model or await _first_model(client)
         warmup = await _warm_up(client, config, model)
+        probe_before = await _greedy_answer(client, model)
         memory_before = _memory(config.server_pid)
         aborts_before = (await scrape(client)).get(ABORTS, 0.0)
         specs = build_mix(random.Random(config.seed), config.requests, model)
@@ -239,9 +303,13 @@ async def run_soak(config: SoakConfig) -> SoakResult:
         duration = time.perf_counter() - started
         settle = await wait_settled(client, config.settle_timeout_s)
         memory_after = _memory(config.server_pid)
-        greedy = (await _greedy_answer(client, model), await _greedy_answer(client, model))
+        probe_after = await _greedy_answer(client, model)
     aborts = settle.metrics.get(ABORTS, 0.0) - aborts_before
-    measured = _Measured(specs, outcomes, warmup, duration, settle, aborts, memory_before, memory_after, greedy)
+    # The offline engine runs after the last request, so it takes no core from the server under load.
+    probes, sampled = check_answers(reference, specs, outcomes, (probe_before, probe_after), config.check_answers)
+    measured = _Measured(
+        specs, outcomes, warmup, duration, settle, aborts, memory_before, memory_after, probes, sampled
+    )
     return _tally(measured, config)
 
 
@@ -366,11 +434,15 @@ def _judge_whole(spec: RequestSpec, response: httpx.Response, started: float) ->
         return _http_error(spec, response.status_code, response.text)
     choices = response.json()["choices"]
     reasons = {choice["index"]: choice["finish_reason"] for choice in choices}
-    return _complete_or_malformed(spec, reasons, time.perf_counter() - started)
+    texts = {
+        choice["index"]: choice["message"]["content"] if "message" in choice else choice["text"] for choice in choices
+    }
+    return _complete_or_malformed(spec, reasons, texts, time.perf_counter() - started)
 
 
 async def _streamed(client: httpx.AsyncClient, spec: RequestSpec, started: float) -> RequestOutcome:
     reasons: dict[int, str | None] = {}
+    texts: dict[int, str] = {}
     async with client.stream("POST", spec.path, json=spec.body) as response:
         if response.status_code >= 300:
             return _http_error(spec, response.status_code, (await response.aread()).decode(errors="replace"))
@@ -380,12 +452,15 @@ async def _streamed(client: httpx.AsyncClient, spec: RequestSpec, started: float
                 if "error" in data:
                     return RequestOutcome(spec.behaviour, Outcome.STREAM_ERROR, error=json.dumps(data["error"]))
                 for choice in data.get("choices") or []:
-                    reasons[choice["index"]] = choice.get("finish_reason") or reasons.get(choice["index"])
+                    index = choice["index"]
+                    reasons[index] = choice.get("finish_reason") or reasons.get(index)
+                    delta = choice["delta"].get("content") if "delta" in choice else choice.get("text")
+                    texts[index] = texts.get(index, "") + (delta or "")
                 chunks += 1
                 if _leaves_now(spec, chunks, reasons):
                     # Leaving the `async with` closes the connection with the body unread.
                     return RequestOutcome(spec.behaviour, Outcome.LEFT)
-    return _complete_or_malformed(spec, reasons, time.perf_counter() - started)
+    return _complete_or_malformed(spec, reasons, texts, time.perf_counter() - started)
 
 
 async def _send_and_close(client: httpx.AsyncClient, spec: RequestSpec) -> RequestOutcome:
@@ -414,10 +489,13 @@ def _all_finished(spec: RequestSpec, reasons: dict[int, str | None]) -> bool:
     return all(reasons.get(index) for index in range(spec.n))
 
 
-def _complete_or_malformed(spec: RequestSpec, reasons: dict[int, str | None], latency_s: float) -> RequestOutcome:
+def _complete_or_malformed(
+    spec: RequestSpec, reasons: dict[int, str | None], texts: Mapping[int, str | None], latency_s: float
+) -> RequestOutcome:
     if sorted(reasons) != list(range(spec.n)) or not _all_finished(spec, reasons):
         return RequestOutcome(spec.behaviour, Outcome.FAILED, error=f"{spec.path}: finish reasons {reasons}")
-    return RequestOutcome(spec.behaviour, Outcome.OK, latency_s=latency_s)
+    answers = tuple(texts.get(index) or "" for index in range(spec.n))
+    return RequestOutcome(spec.behaviour, Outcome.OK, latency_s=latency_s, texts=answers)
 
 
 def _http_error(spec: RequestSpec, status: int, text: str) -> RequestOutcome:
@@ -533,7 +611,43 @@ class _Measured:
     server_aborts: float
     memory_before: MemorySample | None
     memory_after: MemorySample | None
-    greedy_answers: tuple[str, str]
+    probes: tuple[AnswerCheck, AnswerCheck]
+    sampled: tuple[AnswerCheck, ...]
+
+
+def check_answers(
+    reference: Reference,
+    specs: list[RequestSpec],
+    outcomes: list[RequestOutcome],
+    probes: tuple[str, str],
+    count: int,
+) -> tuple[tuple[AnswerCheck, AnswerCheck], tuple[AnswerCheck, ...]]:
+    """The probe's answers before and after the mix, and every choice of up to `count` of the mix's greedy
+    requests answered in full, each beside the reference's answer to the same body."""
+    greedy = [i for i, (spec, o) in enumerate(zip(specs, outcomes, strict=True)) if _greedy_ok(spec, o)]
+    # Spread over the run, so the busiest moments of the mix are among the sampled, not just its start.
+    taken = min(count, len(greedy))
+    chosen = [greedy[k * len(greedy) // taken] for k in range(taken)]
+    expected_probe, *expected = reference.answers([_GREEDY, *(specs[i].body for i in chosen)])
+    before, after = probes
+    checked = (
+        AnswerCheck("probe before the mix", before, expected_probe),
+        AnswerCheck("probe after settling", after, expected_probe),
+    )
+    sampled = tuple(
+        AnswerCheck(f"request {i} ({_describe(specs[i])}) choice {choice}", text, answer)
+        for i, answer in zip(chosen, expected, strict=True)
+        for choice, text in enumerate(outcomes[i].texts)
+    )
+    return checked, sampled
+
+
+def _greedy_ok(spec: RequestSpec, outcome: RequestOutcome) -> bool:
+    return spec.body["temperature"] == 0.0 and outcome.outcome is Outcome.OK
+
+
+def _describe(spec: RequestSpec) -> str:
+    return f"{spec.path}, {'streamed' if spec.stream else 'whole'}, n={spec.n}, max_tokens={spec.body['max_tokens']}"
 
 
 def _tally(measured: _Measured, config: SoakConfig) -> SoakResult:
@@ -562,7 +676,8 @@ def _tally(measured: _Measured, config: SoakConfig) -> SoakResult:
         settle=measured.settle,
         memory_before=measured.memory_before,
         memory_after=measured.memory_after,
-        greedy_answers=measured.greedy_answers,
+        probes=measured.probes,
+        sampled=measured.sampled,
         first_errors=tuple(o.error for o in outcomes if o.error)[:5],
     )
     return replace(result, failures=tuple(_failures(result, config, measured.warmup)))
@@ -584,9 +699,11 @@ def _failures(result: SoakResult, config: SoakConfig, warmup: list[RequestOutcom
     if not result.settle.settled:
         state = ", ".join(f"{name} {result.settle.gauge(name):g}" for name in (RUNNING, WAITING, KV_BLOCKS_USED))
         yield f"not settled after {config.settle_timeout_s:g} s: {state}"
-    first, second = result.greedy_answers
-    if not first or first != second:
-        yield f"greedy answers differ or are empty: {first!r} vs {second!r}"
+    for check in (*result.probes, *result.sampled):
+        if not check.ok:
+            yield f"greedy {check.request}: served {check.served!r}, the offline engine {check.expected!r}"
+    if not result.probes[0].expected:
+        yield "the greedy probe's answer is empty"
     growth = result.rss_growth_mib
     if growth is not None and growth > config.max_rss_growth_mb:
         yield f"server RSS outside the KV pool grew {growth:.1f} MiB (limit {config.max_rss_growth_mb:g})"
@@ -615,7 +732,8 @@ def format_result(result: SoakResult) -> str:
         _row("Settled:", f"{'yes' if settle.settled else 'NO'} after {settle.waited_s:.1f} s"),
         _row("Running / waiting / KV blocks used:", _gauges(settle)),
         *_memory_rows(result),
-        _row("Greedy answer stable:", "yes" if result.greedy_answers[0] == result.greedy_answers[1] else "NO"),
+        _row("Greedy probe before / after = offline:", " / ".join("yes" if c.ok else "NO" for c in result.probes)),
+        _row("Sampled greedy answers = offline:", f"{sum(c.ok for c in result.sampled)}/{len(result.sampled)}"),
         _row("Verdict:", "PASS" if result.ok else "FAIL"),
         "=" * 60,
     ]
