@@ -7,6 +7,7 @@ import logging
 import sys
 from collections.abc import Iterator
 
+from pagedllm.benchmarks.accuracy import add_bench_accuracy_args, run_bench_accuracy
 from pagedllm.benchmarks.memory import add_bench_memory_args, run_bench_memory
 from pagedllm.benchmarks.serve import add_bench_serve_args, run_bench_serve
 from pagedllm.benchmarks.soak import add_bench_soak_args, run_bench_soak
@@ -150,6 +151,11 @@ def make_parser() -> argparse.ArgumentParser:
     )
     add_bench_structured_args(bench_structured)
     bench_structured.set_defaults(handler=run_bench_structured)
+    bench_accuracy = benchmarks.add_parser(
+        "accuracy", help="KL divergence, perplexity and top-1 agreement of each precision path against float32"
+    )
+    add_bench_accuracy_args(bench_accuracy)
+    bench_accuracy.set_defaults(handler=run_bench_accuracy)
     return parser
 
 
