@@ -27,7 +27,6 @@ import gc
 import json
 import math
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -227,12 +226,10 @@ def run_accuracy(folder: Path, names: list[str], text: Text) -> list[Row]:
     for name in names:
         config = CONFIGURATIONS[name]
         started = time.perf_counter()
-        run: Callable[[], torch.Tensor] = (
-            (lambda c=config: pagedllm_logprobs(folder, c, text))
-            if config.engine == "pagedllm"
-            else (lambda c=config: transformers_logprobs(folder, c.dtype, text))
-        )
-        logprobs = run()
+        if config.engine == "pagedllm":
+            logprobs = pagedllm_logprobs(folder, config, text)
+        else:
+            logprobs = transformers_logprobs(folder, config.dtype, text)
         rows.append(score(name, reference, logprobs, text, time.perf_counter() - started))
         del logprobs
         gc.collect()  # one configuration's model and cache go before the next loads
