@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 
 from pagedllm.benchmarks.accuracy import add_bench_accuracy_args, run_bench_accuracy
 from pagedllm.benchmarks.memory import add_bench_memory_args, run_bench_memory
@@ -13,25 +14,44 @@ from pagedllm.benchmarks.serve import add_bench_serve_args, run_bench_serve
 from pagedllm.benchmarks.soak import add_bench_soak_args, run_bench_soak
 from pagedllm.benchmarks.structured import add_bench_structured_args, run_bench_structured
 from pagedllm.benchmarks.throughput import add_bench_throughput_args, run_bench_throughput
-from pagedllm.config import EngineConfig, ServeOptions, add_dataclass_args, option_values
+from pagedllm.config import (
+    EngineConfig,
+    ServeOptions,
+    add_dataclass_args,
+    add_option_flag,
+    check_options,
+    option,
+    option_values,
+)
+from pagedllm.domains import INT32_MAX, POSITIVE_INTS, SEEDS, Integers, Reals, Texts
 from pagedllm.entrypoints.llm import LLM, Message
-from pagedllm.sampling_params import SamplingParams
-
-# The SamplingParams fields the CLI takes, with its own defaults: greedy unless told otherwise.
-_SAMPLING_FLAGS: dict[str, tuple[type, float]] = {
-    "temperature": (float, 0.0),
-    "top_p": (float, 1.0),
-    "top_k": (int, 0),
-    "min_p": (float, 0.0),
-    "repetition_penalty": (float, 1.0),
-}
+from pagedllm.sampling_params import MAX_TEMPERATURE, MIN_REPETITION_PENALTY, MIN_TOP_P, SamplingParams
 
 
-def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
-    parser.add_argument("--max-tokens", type=int, default=max_tokens)
-    for name, (kind, default) in _SAMPLING_FLAGS.items():
-        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=default)
-    parser.add_argument("--sampling-seed", type=int, default=None)
+@dataclass(frozen=True, slots=True)
+class SamplingFlags:
+    """The SamplingParams fields `generate` and `chat` take, with the CLI's own defaults (greedy unless told
+    otherwise) and SamplingParams' own bounds as domains, so that a bad one fails before the model loads."""
+
+    max_tokens: int = option(256, "most tokens to generate", domain=POSITIVE_INTS)
+    temperature: float = option(0.0, "0 is greedy", domain=Reals(0.0, MAX_TEMPERATURE))
+    top_p: float = option(
+        1.0, "keep the likeliest tokens whose probabilities add up to this", domain=Reals(MIN_TOP_P, 1.0)
+    )
+    top_k: int = option(0, "keep only this many likeliest tokens (0 or -1: all)", domain=Integers(-1, INT32_MAX))
+    min_p: float = option(0.0, "drop tokens less likely than this times the likeliest", domain=Reals(0.0, 1.0))
+    repetition_penalty: float = option(
+        1.0, "above 1 discourages repeating tokens", domain=Reals(MIN_REPETITION_PENALTY, 1 / MIN_REPETITION_PENALTY)
+    )
+    sampling_seed: int | None = option(None, "seed of the request's sampling (default: random)", domain=SEEDS)
+
+    def __post_init__(self) -> None:
+        check_options(self)
+
+    def params(self) -> SamplingParams:
+        chosen = asdict(self)
+        seed = chosen.pop("sampling_seed")  # --seed is the engine's
+        return SamplingParams(**chosen, seed=seed)
 
 
 def build_llm(args: argparse.Namespace) -> LLM:
@@ -39,8 +59,7 @@ def build_llm(args: argparse.Namespace) -> LLM:
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    chosen = {name: getattr(args, name) for name in _SAMPLING_FLAGS}
-    return SamplingParams(**chosen, max_tokens=args.max_tokens, seed=args.sampling_seed)
+    return SamplingFlags(**option_values(SamplingFlags, args)).params()
 
 
 def stream(llm: LLM, prompt: str | dict, params: SamplingParams) -> Iterator[str]:
@@ -106,19 +125,19 @@ def run_worker(args: argparse.Namespace) -> int:
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description="LLM inference on a paged KV cache")
-    parser.add_argument("--log-level", default="WARNING")
+    add_option_flag(parser, ServeOptions, "log_level")  # one flag for every command; serve passes it on to uvicorn
     commands = parser.add_subparsers(dest="command", required=True)
     generate = commands.add_parser("generate", help="answer one prompt")
     generate.add_argument("prompt")
     generate.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     add_dataclass_args(generate, EngineConfig)
-    add_sampling_args(generate, max_tokens=256)
+    add_dataclass_args(generate, SamplingFlags)
     generate.set_defaults(handler=run_generate)
     chat = commands.add_parser("chat", help="interactive chat, streamed")
-    chat.add_argument("--system", default=None, help="system prompt")
+    chat.add_argument("--system", default=None, help="system prompt", **Texts().flag_kwargs())
     add_dataclass_args(chat, EngineConfig)
-    add_sampling_args(chat, max_tokens=512)
-    chat.set_defaults(handler=run_chat)
+    add_dataclass_args(chat, SamplingFlags)
+    chat.set_defaults(max_tokens=512, handler=run_chat)  # 512: room for a conversational answer
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_dataclass_args(serve, ServeOptions, skip=("log_level",))
     add_dataclass_args(serve, EngineConfig)

@@ -1,21 +1,44 @@
 """Engine configuration: one dataclass, validated once, with the defaults a CPU user wants. It is the
-only place an engine option is named; `add_dataclass_args` turns any such option list into CLI flags."""
+only place an engine option is named; `add_dataclass_args` turns any such option list into CLI flags.
+Each field carries its domain (`domains.py`): the list and its flags refuse a value outside it alike."""
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import MISSING, dataclass, field, fields
+import functools
+from dataclasses import MISSING, Field, dataclass, field, fields
 from pathlib import Path
-from types import UnionType
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from typing import Any, get_args, get_type_hints
 
 import torch
+
+from pagedllm.domains import (
+    INT64_MAX,
+    NON_NEGATIVE_INTS,
+    PORTS,
+    POSITIVE_INTS,
+    SEEDS,
+    WAITS,
+    ArgType,
+    Booleans,
+    Choices,
+    Domain,
+    ExistingPaths,
+    FilePaths,
+    Hosts,
+    Integers,
+    Reals,
+    Texts,
+    Tuples,
+)
 
 DEFAULT_KV_CACHE_MEMORY = 4 << 30  # bytes; the same default as vLLM's CPU backend
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 PREEMPTION_MODES = ("recompute", "swap")
 DEVICES = ("cpu", "cuda")
+# uvicorn's levels less its "trace": the same flag sets Python's logging, which has no such level.
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -26,63 +49,96 @@ _DTYPES = {
 }
 
 
-def option(default: object, help: str, **extra: object) -> Any:
-    """A config field with the help text the CLI shows for it (and, in `extra`, e.g. `choices`)."""
-    return field(default=default, metadata={"help": help, **extra})
+@dataclass(frozen=True, slots=True)
+class DTypes(Domain):
+    """`auto` or a floating-point type: by name, or from Python as the torch.dtype itself."""
+
+    def describe(self) -> str:
+        return "auto or one of " + ", ".join(_DTYPES) + " (from Python, also their torch dtypes)"
+
+    def admits(self, value: object) -> bool:
+        if isinstance(value, torch.dtype):
+            return value in _DTYPES.values()
+        return isinstance(value, str) and (value == "auto" or value in _DTYPES)
+
+    def flag_kwargs(self) -> dict[str, Any]:
+        return {"type": ArgType(self), "metavar": "{auto," + ",".join(_DTYPES) + "}"}
+
+
+def option(default: object, help: str, *, domain: Domain, flag: str | None = None) -> Any:
+    """A field of an option list: its default, the help text the CLI shows, the values it can mean (None
+    too, where its type says `| None`) and, where `--field-name` will not do, its flag."""
+    return field(default=default, metadata={"help": help, "domain": domain, "flag": flag})
 
 
 @dataclass(slots=True)
 class EngineConfig:
     """Every engine option, named once: `LLM(**options)`, the CLI flags and the server read this list."""
 
-    model: str | Path | None = option(None, "HF folder or .gguf file (default: the embedded SmolLM2-135M)")
+    model: str | Path | None = option(
+        None, "HF folder or .gguf file (default: the embedded SmolLM2-135M)", domain=ExistingPaths()
+    )
     dtype: str | torch.dtype = option(
-        "auto", "auto (bfloat16 where the CPU has native bf16, else float32), " + ", ".join(_DTYPES)
+        "auto", "auto (bfloat16 where the CPU has native bf16, else float32), " + ", ".join(_DTYPES), domain=DTypes()
     )
-    block_size: int = option(16, "tokens per KV block")
-    num_kv_blocks: int | None = option(None, "KV blocks in the pool (default: from kv_cache_memory)")
-    kv_cache_memory: int | None = option(None, "bytes of KV cache (default 4 GiB)")
-    max_model_len: int | None = option(None, "longest prompt + output (default: the model's, capped by the pool)")
-    max_num_seqs: int = option(256, "most sequences running at once")
+    block_size: int = option(16, "tokens per KV block", domain=POSITIVE_INTS)
+    num_kv_blocks: int | None = option(
+        None, "KV blocks in the pool (default: from kv_cache_memory)", domain=POSITIVE_INTS
+    )
+    kv_cache_memory: int | None = option(None, "bytes of KV cache (default 4 GiB)", domain=Integers(1, INT64_MAX))
+    max_model_len: int | None = option(
+        None, "longest prompt + output (default: the model's, capped by the pool)", domain=POSITIVE_INTS
+    )
+    max_num_seqs: int = option(256, "most sequences running at once", domain=POSITIVE_INTS)
     max_num_batched_tokens: int | None = option(
-        None, f"most tokens per step; longer prompts prefill in chunks (default {DEFAULT_MAX_NUM_BATCHED_TOKENS})"
+        None,
+        f"most tokens per step; longer prompts prefill in chunks (default {DEFAULT_MAX_NUM_BATCHED_TOKENS})",
+        domain=POSITIVE_INTS,
     )
-    seed: int = option(0, "seed of the random generators of unseeded requests")
-    enable_prefix_caching: bool = option(True, "reuse cached prompt blocks")
-    preemption_mode: str = option("recompute", "what preemption does with a request's KV", choices=PREEMPTION_MODES)
-    swap_space: float = option(4.0, "GiB of CPU memory for blocks swapped out (preemption_mode swap)")
-    device: str = option("cpu", "cuda runs the model and KV cache on the GPU with the Triton kernels", choices=DEVICES)
-    tensor_parallel_size: int = option(1, "ranks that each hold a slice of every layer and of every KV block")
-    threads_per_worker: int | None = option(None, "torch threads of each rank (default: the cores divided among them)")
+    seed: int = option(0, "seed of the random generators of unseeded requests", domain=SEEDS)
+    enable_prefix_caching: bool = option(True, "reuse cached prompt blocks", domain=Booleans())
+    preemption_mode: str = option(
+        "recompute", "what preemption does with a request's KV", domain=Choices(PREEMPTION_MODES)
+    )
+    swap_space: float = option(
+        4.0,
+        "GiB of CPU memory for blocks swapped out (preemption_mode swap)",
+        domain=Reals(0.0, INT64_MAX >> 30),  # its bytes are an int64
+    )
+    device: str = option(
+        "cpu", "cuda runs the model and KV cache on the GPU with the Triton kernels", domain=Choices(DEVICES)
+    )
+    tensor_parallel_size: int = option(
+        1, "ranks that each hold a slice of every layer and of every KV block", domain=POSITIVE_INTS
+    )
+    threads_per_worker: int | None = option(
+        None, "torch threads of each rank (default: the cores divided among them)", domain=POSITIVE_INTS
+    )
     distributed_timeout: float = option(
-        120.0, "seconds a rank waits for the others (start-up, each step) before the engine fails"
+        120.0, "seconds a rank waits for the others (start-up, each step) before the engine fails", domain=WAITS
     )
-    master_addr: str = option("127.0.0.1", "address where the tensor-parallel ranks meet (rank 0's)")
-    master_port: int | None = option(None, "port where the ranks meet (default: a free one; required with nnodes > 1)")
-    kv_events_file: str | None = option(
-        None, "append KV events (vLLM's BlockStored, BlockRemoved, AllBlocksCleared) to this JSON-lines file"
+    master_addr: str = option("127.0.0.1", "address where the tensor-parallel ranks meet (rank 0's)", domain=Hosts())
+    master_port: int | None = option(
+        None, "port where the ranks meet (default: a free one; required with nnodes > 1)", domain=PORTS
     )
-    nnodes: int = option(1, "machines the tensor-parallel ranks are spread over (the engine runs on node 0)")
-    node_rank: int = option(0, "this machine's index among nnodes (`pagedllm worker` on nodes 1 ..)")
+    kv_events_file: str | Path | None = option(
+        None,
+        "append KV events (vLLM's BlockStored, BlockRemoved, AllBlocksCleared) to this JSON-lines file",
+        domain=FilePaths(),
+    )
+    nnodes: int = option(
+        1, "machines the tensor-parallel ranks are spread over (the engine runs on node 0)", domain=POSITIVE_INTS
+    )
+    node_rank: int = option(
+        0, "this machine's index among nnodes (`pagedllm worker` on nodes 1 ..)", domain=NON_NEGATIVE_INTS
+    )
 
     def __post_init__(self) -> None:
-        _require_positive("block_size", self.block_size)
-        _require_positive("max_num_seqs", self.max_num_seqs)
-        for name in ("num_kv_blocks", "kv_cache_memory", "max_model_len", "max_num_batched_tokens"):
-            if getattr(self, name) is not None:
-                _require_positive(name, getattr(self, name))
+        check_options(self)
         if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
             raise ValueError("give num_kv_blocks or kv_cache_memory, not both")
-        resolve_dtype(self.dtype)
-        if self.device not in DEVICES:
-            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' was asked for but torch sees no CUDA device")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
-        _require_positive("tensor_parallel_size", self.tensor_parallel_size)
-        if self.threads_per_worker is not None:
-            _require_positive("threads_per_worker", self.threads_per_worker)
         if (
             self.tensor_parallel_size > 1
             and self.device == "cuda"
@@ -91,8 +147,16 @@ class EngineConfig:
             raise ValueError(
                 f"tensor_parallel_size {self.tensor_parallel_size} exceeds the {torch.cuda.device_count()} GPUs"
             )
-        if isinstance(self.swap_space, bool) or not isinstance(self.swap_space, int | float) or self.swap_space < 0:
-            raise ValueError(f"swap_space must be a non-negative number of GiB, got {self.swap_space!r}")
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank must be below nnodes ({self.nnodes}), got {self.node_rank}")
+        # Every node runs the same number of ranks (`worker.group.follower_specs`).
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(
+                f"tensor_parallel_size ({self.tensor_parallel_size}) must be a multiple of nnodes, got {self.nnodes}"
+            )
+        # A free port chosen on node 0 could not be told to the other nodes.
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError(f"master_port is required with nnodes > 1 (nnodes is {self.nnodes})")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -103,42 +167,90 @@ class EngineConfig:
 class ServeOptions:
     """The server's own options (`pagedllm serve` flags come from this list, as the engine's do)."""
 
-    host: str = option("127.0.0.1", "address to listen on")
-    port: int = option(8000, "port to listen on")
-    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' (not /health, /metrics)")
-    served_model_names: tuple[str, ...] = option((), "default: the --model argument", flag="--served-model-name")
-    shutdown_grace_s: float = option(5.0, "seconds in-flight requests get after SIGTERM", flag="--shutdown-grace")
-    log_level: str = option("warning", "uvicorn's log level (the CLI's --log-level)")
-    max_body_bytes: int = option(16 << 20, "largest request body accepted; larger ones get HTTP 413 unread")
-    max_waiting_requests: int = option(
-        1024, "requests waiting for their first token beyond which new ones get HTTP 503 with Retry-After"
+    host: str = option("127.0.0.1", "address to listen on", domain=Hosts())
+    port: int = option(8000, "port to listen on", domain=PORTS)
+    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' (not /health, /metrics)", domain=Texts())
+    served_model_names: tuple[str, ...] = option(
+        (), "default: the --model argument", domain=Tuples(Texts()), flag="--served-model-name"
     )
-    metrics_need_key: bool = option(False, "with --api-key, /metrics needs the key too (/health never does)")
+    shutdown_grace_s: float = option(
+        5.0,
+        "seconds in-flight requests get after SIGTERM",
+        domain=Reals(0.0, WAITS.high),
+        flag="--shutdown-grace",
+    )
+    log_level: str = option(
+        "warning",
+        "log level of pagedllm's messages and, under serve, uvicorn's",
+        domain=Choices(LOG_LEVELS, fold_case=True),
+    )
+    max_body_bytes: int = option(
+        16 << 20, "largest request body accepted; larger ones get HTTP 413 unread", domain=Integers(1, INT64_MAX)
+    )
+    # At 0 the server would refuse every request.
+    max_waiting_requests: int = option(
+        1024,
+        "requests waiting for their first token beyond which new ones get HTTP 503 with Retry-After",
+        domain=POSITIVE_INTS,
+    )
+    metrics_need_key: bool = option(
+        False, "with --api-key, /metrics needs the key too (/health never does)", domain=Booleans()
+    )
     tool_call_parser: str = option(
         "auto",
         "how chat replies' tool calls are read; auto: llama3_json for Llama 3 templates, else hermes",
-        choices=("auto", "hermes", "llama3_json"),
+        domain=Choices(("auto", "hermes", "llama3_json")),
     )
     # What one request may ask for: over these, a 400 names the field and the flag.
-    max_n: int = option(16, "largest n and best_of (and beam width): the sequences one prompt may run at once")
-    max_logprobs: int = option(20, "largest logprobs, top_logprobs and prompt_logprobs (vLLM's --max-logprobs)")
-    max_stop: int = option(64, "most stop strings, and most stop_token_ids, in one request")
-    max_stop_len: int = option(1024, "longest stop string, in characters")
-    max_prompts: int = option(2048, "most prompts in one completions request (each becomes a request)")
+    max_n: int = option(
+        16, "largest n and best_of (and beam width): the sequences one prompt may run at once", domain=POSITIVE_INTS
+    )
+    max_logprobs: int = option(
+        20, "largest logprobs, top_logprobs and prompt_logprobs (vLLM's --max-logprobs)", domain=NON_NEGATIVE_INTS
+    )
+    max_stop: int = option(64, "most stop strings, and most stop_token_ids, in one request", domain=POSITIVE_INTS)
+    max_stop_len: int = option(1024, "longest stop string, in characters", domain=POSITIVE_INTS)
+    max_prompts: int = option(
+        2048, "most prompts in one completions request (each becomes a request)", domain=POSITIVE_INTS
+    )
 
     def __post_init__(self) -> None:
-        for name in ("max_n", "max_stop", "max_stop_len", "max_prompts"):
-            _require_positive(name, getattr(self, name))
-        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be a non-negative integer, got {self.max_logprobs!r}")
+        check_options(self)
 
     def model_names(self, model: str | Path | None) -> tuple[str, ...]:
         return self.served_model_names or (str(model) if model is not None else DEFAULT_SERVED_NAME,)
 
 
-def _require_positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+def check_options(options: Any) -> None:
+    """ValueError naming the first field of the option list `options` (a dataclass instance) outside its domain."""
+    for spec in fields(options):
+        check_option(type(options), spec.name, getattr(options, spec.name))
+
+
+def check_option(options: type, name: str, value: object) -> None:
+    """ValueError naming `name` and `value` unless `value` is in the domain of field `name` of `options`, or is
+    None where that field's type allows it (None is "not given": the default decides)."""
+    domain = domain_of(options, name)
+    if value is None and name in _optional_fields(options):
+        return
+    if not domain.admits(value):
+        raise ValueError(f"{name} must be {domain.describe()}, got {value!r}")
+
+
+def domain_of(options: type, name: str) -> Domain:
+    spec = _field(options, name)
+    if not isinstance(spec.metadata.get("domain"), Domain):
+        raise TypeError(f"{options.__name__}.{name} has no domain: declare it with option(default, help, domain=...)")
+    return spec.metadata["domain"]
+
+
+def _field(options: type, name: str) -> Field:
+    return next(spec for spec in fields(options) if spec.name == name)
+
+
+@functools.cache
+def _optional_fields(options: type) -> frozenset[str]:
+    return frozenset(name for name, hint in get_type_hints(options).items() if type(None) in get_args(hint))
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -161,39 +273,23 @@ def cpu_has_native_bf16() -> bool:
 
 
 def add_dataclass_args(parser: argparse.ArgumentParser, options: type, skip: tuple[str, ...] = ()) -> None:
-    """One flag per field of the dataclass `options`: `--field-name`, typed by its annotation, with its
-    default, and the help, choices and flag name (`flag`) of its metadata."""
-    hints = get_type_hints(options)
+    """One flag per field of the option list `options` (a dataclass), as `add_option_flag` makes it."""
     for spec in fields(options):
-        if spec.name in skip:
-            continue
-        flag = spec.metadata.get("flag", "--" + spec.name.replace("_", "-"))
-        kind = _flag_type(hints[spec.name])
-        extra: dict[str, Any] = {"help": spec.metadata.get("help"), "dest": spec.name}
-        if kind is bool:
-            extra["action"] = argparse.BooleanOptionalAction
-        elif kind is tuple:
-            extra["nargs"] = "+"
-        else:
-            extra["type"] = kind
-        if "choices" in spec.metadata:
-            extra["choices"] = spec.metadata["choices"]
-        default = spec.default if spec.default is not MISSING else None
-        parser.add_argument(flag, default=default, **extra)
+        if spec.name not in skip:
+            add_option_flag(parser, options, spec.name)
+
+
+def add_option_flag(parser: argparse.ArgumentParser, options: type, name: str) -> None:
+    """The flag of field `name` of `options`: `--field-name` (or its `flag`), with its default and help; its
+    domain decides the rest (a value, several, or none for a boolean) and refuses text outside it."""
+    spec = _field(options, name)
+    flag = spec.metadata.get("flag") or "--" + name.replace("_", "-")
+    default = spec.default if spec.default is not MISSING else None
+    flag_kwargs = domain_of(options, name).flag_kwargs()
+    parser.add_argument(flag, dest=name, default=default, help=spec.metadata["help"], **flag_kwargs)
 
 
 def option_values(options: type, args: argparse.Namespace) -> dict[str, Any]:
     """The values of the fields of `options` that `args` holds (the flags `add_dataclass_args` made)."""
     values = {spec.name: getattr(args, spec.name) for spec in fields(options) if hasattr(args, spec.name)}
     return {name: tuple(value) if isinstance(value, list) else value for name, value in values.items()}
-
-
-def _flag_type(annotation: Any) -> type:
-    """bool, int, float or tuple where the annotation (less `None`) is one; str for everything else."""
-    union = get_origin(annotation) in (Union, UnionType)
-    kinds = [kind for kind in (get_args(annotation) if union else (annotation,)) if kind is not type(None)]
-    origin = [get_origin(kind) or kind for kind in kinds]
-    for kind in (bool, int, float, tuple):
-        if origin == [kind]:
-            return kind
-    return str

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 # Temperatures below this are treated as 0 (greedy), as in vLLM: dividing logits by a tiny temperature
 # overflows to inf/nan instead of approaching argmax.
 _SAMPLING_EPS = 1e-5
-_MAX_TEMPERATURE = 100.0
-_MIN_TOP_P = 1e-9
-_MIN_REPETITION_PENALTY = 0.01
+MAX_TEMPERATURE = 100.0
+MIN_TOP_P = 1e-9
+MIN_REPETITION_PENALTY = 0.01
 
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
@@ -137,10 +137,10 @@ class SamplingParams:
             raise ValueError("best_of must equal n when sampling greedily (temperature 0)")
         # The sampler works in float32: past these bounds logits overflow to inf (and then NaN), and a top_p
         # below float32's smallest number is 0, which keeps no token.
-        if not 0.0 <= self.temperature <= _MAX_TEMPERATURE:
-            raise ValueError(f"temperature must be in [0, {_MAX_TEMPERATURE:g}], got {self.temperature}")
-        if not _MIN_TOP_P <= self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in [{_MIN_TOP_P:g}, 1], got {self.top_p}")
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
+        if not MIN_TOP_P <= self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in [{MIN_TOP_P:g}, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be 0 or -1 (disable) or at least 1, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
@@ -149,9 +149,9 @@ class SamplingParams:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if not _MIN_REPETITION_PENALTY <= self.repetition_penalty <= 1 / _MIN_REPETITION_PENALTY:
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 1 / MIN_REPETITION_PENALTY:
             raise ValueError(
-                f"repetition_penalty must be in [{_MIN_REPETITION_PENALTY:g}, {1 / _MIN_REPETITION_PENALTY:g}], "
+                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, {1 / MIN_REPETITION_PENALTY:g}], "
                 f"got {self.repetition_penalty}"
             )
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:

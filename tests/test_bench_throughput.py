@@ -159,7 +159,9 @@ def test_command_prints_the_table_and_writes_json_and_a_plot(tiny_long_llama, tm
 
 
 def test_unknown_engines_and_a_missing_vllm_interpreter_are_refused(tiny_long_llama, capsys):
-    assert main(["bench", "throughput", "--model", str(tiny_long_llama), "--engines", "pagedllm,tgi"]) == 2
+    with pytest.raises(SystemExit) as exit:
+        main(["bench", "throughput", "--model", str(tiny_long_llama), "--engines", "pagedllm,tgi"])
+    assert exit.value.code == 2
     assert "tgi" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--vllm-python"):
         run_vllm(setup_for(tiny_long_llama), make_workload("synthetic", 1, 384, 1024))

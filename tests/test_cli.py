@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from pagedllm.cli import main
 
 
@@ -33,13 +35,22 @@ def test_chat_streams_replies_and_keeps_the_conversation(tiny_llama):
 
 
 def test_bad_option_is_a_clear_error(tiny_llama, capsys):
-    assert main(["generate", "hi", "--model", str(tiny_llama), "--temperature", "-1"]) == 2
-    assert "temperature" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit:
+        main(["generate", "hi", "--model", str(tiny_llama), "--temperature", "-1"])
+    assert exit.value.code == 2
+    assert "--temperature" in capsys.readouterr().err
 
 
 def test_missing_model_is_a_clear_error(tmp_path, capsys):
-    assert main(["generate", "hi", "--model", str(tmp_path / "nowhere")]) == 2
+    with pytest.raises(SystemExit) as exit:
+        main(["generate", "hi", "--model", str(tmp_path / "nowhere")])
+    assert exit.value.code == 2
     assert "nowhere" in capsys.readouterr().err
+
+
+def test_a_folder_without_a_model_is_a_clear_error(tmp_path, capsys):
+    assert main(["generate", "hi", "--model", str(tmp_path)]) == 2
+    assert "config.json" in capsys.readouterr().err
 
 
 def test_every_engine_option_is_a_flag_of_every_engine_command() -> None:

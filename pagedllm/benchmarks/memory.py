@@ -31,9 +31,9 @@ import itertools
 import json
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from pagedllm.benchmarks.workloads import WORKLOADS, Workload, make_workload
+from pagedllm.domains import NON_NEGATIVE_INTS, POSITIVE_INTS, SEEDS, Choices, CommaLists, FolderPaths
 from pagedllm.kv.kv_cache_manager import BlockPair, KVCacheManager
 
 # Token ids only decide which prefixes are equal; the lengths are what the replay measures.
@@ -216,23 +216,32 @@ def run_all(
 
 
 def add_bench_memory_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workload", choices=WORKLOADS, default="synthetic")
-    parser.add_argument("--num-prompts", type=int, default=256)
-    parser.add_argument("--budget", type=int, default=32768, help="KV memory in token slots")
-    parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--block-sizes", default="1,8,16,32,64,128")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workload", default="synthetic", **Choices(WORKLOADS).flag_kwargs())
+    parser.add_argument("--num-prompts", default=256, **POSITIVE_INTS.flag_kwargs())
+    parser.add_argument("--budget", default=32768, help="KV memory in token slots", **POSITIVE_INTS.flag_kwargs())
+    parser.add_argument("--max-model-len", default=2048, **POSITIVE_INTS.flag_kwargs())
     parser.add_argument(
-        "--sliding-window", type=int, default=0, help="tokens every layer sees back (paged allocators free the rest)"
+        "--block-sizes",
+        default=(1, 8, 16, 32, 64, 128),
+        help="comma-separated",
+        **CommaLists(POSITIVE_INTS).flag_kwargs(),
     )
-    parser.add_argument("--out", type=Path, default=None, help="write memory.json (every series) and plots here")
+    parser.add_argument("--seed", default=0, **SEEDS.flag_kwargs())
+    parser.add_argument(
+        "--sliding-window",
+        default=0,
+        help="tokens every layer sees back (paged allocators free the rest)",
+        **NON_NEGATIVE_INTS.flag_kwargs(),
+    )
+    parser.add_argument(
+        "--out", default=None, help="write memory.json (every series) and plots here", **FolderPaths().flag_kwargs()
+    )
 
 
 def run_bench_memory(args: argparse.Namespace) -> int:
     workload = make_workload(args.workload, args.num_prompts, VOCAB_SIZE, args.max_model_len, args.seed)
     trace = trace_from_workload(workload, args.max_model_len)
-    sizes = [int(size) for size in args.block_sizes.split(",")]
-    results = run_all(trace, args.budget, args.max_model_len, sizes, args.sliding_window)
+    results = run_all(trace, args.budget, args.max_model_len, list(args.block_sizes), args.sliding_window)
     samples = f" x {trace[0].n} samples" if trace and trace[0].n > 1 else ""
     limits = f"budget {args.budget} token slots, max_model_len {args.max_model_len}"
     print(f"{args.workload}: {len(trace)} requests{samples}, {limits}")

@@ -15,16 +15,18 @@ import argparse
 import asyncio
 import itertools
 import json
+import math
 import os
 import random
 import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 import numpy as np
+
+from pagedllm.domains import NON_NEGATIVE_INTS, POSITIVE_INTS, SEEDS, FilePaths, Reals, Texts, Urls
 
 _TIMEOUT_S = 6 * 3600  # as vLLM: a saturated server may take long, and the benchmark measures it, not us
 # Synthetic prompts draw words from this text: no dataset to download, and any tokenizer reads them.
@@ -60,23 +62,36 @@ class RequestResult:
 
 
 def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
-    parser.add_argument("--num-prompts", type=int, default=100)
-    parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)")
-    parser.add_argument("--model", default=None, help="default: the first model the server lists")
-    parser.add_argument("--input-len", type=int, default=128, help="words per synthetic prompt")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--ignore-eos", action="store_true", help="vLLM extra: always generate max-tokens")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--num-warmups", type=int, default=0, help="requests sent at once and finished before measuring (as vLLM's)"
+        "--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000", **Urls().flag_kwargs()
     )
-    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    parser.add_argument("--num-prompts", default=100, **POSITIVE_INTS.flag_kwargs())
+    parser.add_argument(
+        "--request-rate",
+        default=math.inf,
+        help="requests/s (inf: all at once)",
+        **Reals(0.0, math.inf, low_open=True).flag_kwargs(),
+    )
+    parser.add_argument(
+        "--model", default=None, help="default: the first model the server lists", **Texts().flag_kwargs()
+    )
+    parser.add_argument("--input-len", default=128, help="words per synthetic prompt", **POSITIVE_INTS.flag_kwargs())
+    parser.add_argument("--max-tokens", default=128, **POSITIVE_INTS.flag_kwargs())
+    parser.add_argument("--ignore-eos", action="store_true", help="vLLM extra: always generate max-tokens")
+    parser.add_argument("--seed", default=0, **SEEDS.flag_kwargs())
+    parser.add_argument(
+        "--num-warmups",
+        default=0,
+        help="requests sent at once and finished before measuring (as vLLM's)",
+        **NON_NEGATIVE_INTS.flag_kwargs(),
+    )
+    # An empty OPENAI_API_KEY is no key (argparse checks a default given as text against the domain too).
+    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY") or None, **Texts().flag_kwargs())
     parser.add_argument(
         "--json",
-        type=Path,
         default=None,
         help="also write the results here, with every request's TTFT and TPOT, and latency_cdf.png beside it",
+        **FilePaths().flag_kwargs(),
     )
 
 

@@ -43,6 +43,20 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm.benchmarks.serve import _TEXT, _first_model, _sse_data
+from pagedllm.config import DTypes
+from pagedllm.domains import (
+    INT64_MAX,
+    NON_NEGATIVE_INTS,
+    PID_MAX,
+    POSITIVE_INTS,
+    SEEDS,
+    WAITS,
+    ExistingPaths,
+    Integers,
+    Reals,
+    Texts,
+    Urls,
+)
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.sampling_params import SamplingParams
 
@@ -226,36 +240,55 @@ class SoakResult:
 
 
 def add_bench_soak_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
-    parser.add_argument("--requests", type=int, default=200, help="requests in the measured mix")
-    parser.add_argument("--concurrency", type=int, default=16, help="clients sending at once")
-    parser.add_argument("--seed", type=int, default=0, help="fixes the mix: kinds, prompts, parameters")
-    parser.add_argument("--model", default=None, help="default: the first model the server lists")
-    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds a patient client waits")
-    parser.add_argument("--client-timeout", type=float, default=0.3, help="seconds an impatient client waits")
     parser.add_argument(
-        "--settle-timeout", type=float, default=30.0, help="seconds to wait for the server to come to rest"
+        "--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000", **Urls().flag_kwargs()
+    )
+    parser.add_argument("--requests", default=200, help="requests in the measured mix", **POSITIVE_INTS.flag_kwargs())
+    parser.add_argument("--concurrency", default=16, help="clients sending at once", **POSITIVE_INTS.flag_kwargs())
+    parser.add_argument("--seed", default=0, help="fixes the mix: kinds, prompts, parameters", **SEEDS.flag_kwargs())
+    parser.add_argument(
+        "--model", default=None, help="default: the first model the server lists", **Texts().flag_kwargs()
+    )
+    # An empty OPENAI_API_KEY is no key (argparse checks a default given as text against the domain too).
+    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY") or None, **Texts().flag_kwargs())
+    parser.add_argument("--timeout", default=300.0, help="seconds a patient client waits", **WAITS.flag_kwargs())
+    parser.add_argument(
+        "--client-timeout", default=0.3, help="seconds an impatient client waits", **WAITS.flag_kwargs()
     )
     parser.add_argument(
-        "--warmup-requests", type=int, default=50, help="a mix sent first and not counted, before RSS is read"
+        "--settle-timeout", default=30.0, help="seconds to wait for the server to come to rest", **WAITS.flag_kwargs()
     )
-    parser.add_argument("--server-pid", type=int, default=None, help="measure this process's RSS (and children's)")
+    parser.add_argument(
+        "--warmup-requests",
+        default=50,
+        help="a mix sent first and not counted, before RSS is read",
+        **NON_NEGATIVE_INTS.flag_kwargs(),
+    )
+    parser.add_argument(
+        "--server-pid",
+        default=None,
+        help="measure this process's RSS (and children's)",
+        **Integers(1, PID_MAX).flag_kwargs(),
+    )
     parser.add_argument(
         "--max-rss-growth-mb",
-        type=float,
         default=100.0,
         help="fail when the server's RSS outside the KV pool grows more (with a pid)",
+        **Reals(0.0, INT64_MAX >> 20).flag_kwargs(),  # its bytes are an int64
     )
     parser.add_argument(
         "--reference-model",
         default=None,
         help="the server's model (HF folder or .gguf) for the offline engine the answers must equal "
         "(default: the default model, as `pagedllm serve` without --model)",
+        **ExistingPaths().flag_kwargs(),
     )
-    parser.add_argument("--reference-dtype", default="auto", help="the server's --dtype")
+    parser.add_argument("--reference-dtype", default="auto", help="the server's --dtype", **DTypes().flag_kwargs())
     parser.add_argument(
-        "--check-answers", type=int, default=32, help="greedy requests of the mix compared with the offline engine"
+        "--check-answers",
+        default=32,
+        help="greedy requests of the mix compared with the offline engine",
+        **NON_NEGATIVE_INTS.flag_kwargs(),
     )
 
 

@@ -17,11 +17,11 @@ import json
 import random
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
-from pagedllm.config import resolve_dtype
+from pagedllm.config import DTypes, resolve_dtype
+from pagedllm.domains import POSITIVE_INTS, SEEDS, ExistingPaths, FolderPaths
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -133,14 +133,21 @@ def cold_costs(llm: LLM) -> dict[str, float]:
 
 
 def add_bench_structured_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="HF folder or .gguf (default: embedded SmolLM2-135M)")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=2, help="constrained/unconstrained pairs, run in turn")
-    parser.add_argument("--max-tokens", type=int, default=160)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=None, help="folder for structured.json")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="HF folder or .gguf (default: embedded SmolLM2-135M)",
+        **ExistingPaths().flag_kwargs(),
+    )
+    parser.add_argument("--dtype", default="auto", **DTypes().flag_kwargs())
+    parser.add_argument("--threads", default=torch.get_num_threads(), **POSITIVE_INTS.flag_kwargs())
+    parser.add_argument("--num-prompts", default=64, **POSITIVE_INTS.flag_kwargs())
+    parser.add_argument(
+        "--rounds", default=2, help="constrained/unconstrained pairs, run in turn", **POSITIVE_INTS.flag_kwargs()
+    )
+    parser.add_argument("--max-tokens", default=160, **POSITIVE_INTS.flag_kwargs())
+    parser.add_argument("--seed", default=0, **SEEDS.flag_kwargs())
+    parser.add_argument("--out", default=None, help="folder for structured.json", **FolderPaths().flag_kwargs())
 
 
 def run_bench_structured(args: argparse.Namespace) -> int:

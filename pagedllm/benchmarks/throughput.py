@@ -39,7 +39,8 @@ import torch
 from pagedllm.beam_search import BeamSearchParams
 from pagedllm.benchmarks.near_tie import compare_sequences, float32_logprobs
 from pagedllm.benchmarks.workloads import WORKLOADS, Workload, make_workload
-from pagedllm.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, resolve_dtype
+from pagedllm.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEVICES, DTypes, resolve_dtype
+from pagedllm.domains import NON_NEGATIVE_INTS, POSITIVE_INTS, SEEDS, Choices, CommaLists, ExistingPaths, FolderPaths
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.loader import resolve_model_folder
@@ -361,26 +362,41 @@ def _reference(model, prompt: tuple[int, ...], output_len: int) -> list[int]:
 
 
 def add_bench_throughput_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workload", choices=WORKLOADS, default="synthetic")
-    parser.add_argument("--num-prompts", type=int, default=128)
-    parser.add_argument("--engines", default="pagedllm,hf-static", help=f"comma-separated, from {','.join(ENGINES)}")
-    parser.add_argument("--model", default=None, help="HF folder or .gguf (default: embedded SmolLM2-135M)")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN)
-    parser.add_argument("--hf-batch-size", type=int, default=16)
-    parser.add_argument("--vllm-python", default=None, help="python of the venv holding vLLM (see docs/VLLM_CPU.md)")
-    parser.add_argument("--check", type=int, default=4, help="requests checked against transformers (greedy)")
-    parser.add_argument("--out", type=Path, default=None, help="folder for throughput.json and throughput.png")
+    parser.add_argument("--workload", default="synthetic", **Choices(WORKLOADS).flag_kwargs())
+    parser.add_argument("--num-prompts", default=128, **POSITIVE_INTS.flag_kwargs())
+    parser.add_argument(
+        "--engines",
+        default=("pagedllm", "hf-static"),
+        help=f"comma-separated, from {','.join(ENGINES)}",
+        **CommaLists(Choices(ENGINES)).flag_kwargs(),
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="HF folder or .gguf (default: embedded SmolLM2-135M)",
+        **ExistingPaths().flag_kwargs(),
+    )
+    parser.add_argument("--dtype", default="auto", **DTypes().flag_kwargs())
+    parser.add_argument("--threads", default=torch.get_num_threads(), **POSITIVE_INTS.flag_kwargs())
+    parser.add_argument("--seed", default=0, **SEEDS.flag_kwargs())
+    parser.add_argument("--device", default="cpu", **Choices(DEVICES).flag_kwargs())
+    parser.add_argument("--max-model-len", default=MAX_MODEL_LEN, **POSITIVE_INTS.flag_kwargs())
+    parser.add_argument("--hf-batch-size", default=16, **POSITIVE_INTS.flag_kwargs())
+    parser.add_argument(
+        "--vllm-python",
+        default=None,
+        help="python of the venv holding vLLM (see docs/VLLM_CPU.md)",
+        **ExistingPaths().flag_kwargs(),
+    )
+    parser.add_argument(
+        "--check", default=4, help="requests checked against transformers (greedy)", **NON_NEGATIVE_INTS.flag_kwargs()
+    )
+    parser.add_argument(
+        "--out", default=None, help="folder for throughput.json and throughput.png", **FolderPaths().flag_kwargs()
+    )
 
 
 def run_bench_throughput(args: argparse.Namespace) -> int:
-    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    unknown = sorted(set(engines) - set(ENGINES))
-    if unknown or not engines:
-        raise ValueError(f"unknown engine(s) {unknown}; choose from {', '.join(ENGINES)}")
     torch.set_num_threads(args.threads)
     folder = resolve_model_folder(args.model)
     model_config = ModelConfig.from_folder(folder)
@@ -397,7 +413,7 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
         check=args.check,
     )
     workload = make_workload(args.workload, args.num_prompts, model_config.vocab_size, max_model_len, args.seed)
-    results = run_engines(setup, workload, engines)
+    results = run_engines(setup, workload, list(args.engines))
     print(format_table(workload, setup, results))
     if args.out is not None:
         write_results(args.out, workload, setup, results)
