@@ -96,6 +96,11 @@ class EngineConfig:
         domain=POSITIVE_INTS,
     )
     seed: int = option(0, "seed of the random generators of unseeded requests", domain=SEEDS)
+    dequantize: bool = option(
+        False,
+        "a GGUF file's quantized weights dequantized to dtype at load (default: held and computed as stored)",
+        domain=Booleans(),
+    )
     enable_prefix_caching: bool = option(True, "reuse cached prompt blocks", domain=Booleans())
     preemption_mode: str = option(
         "recompute", "what preemption does with a request's KV", domain=Choices(PREEMPTION_MODES)

@@ -69,7 +69,9 @@ class LLMEngine:
         pool = pool_size(config, model_config)
         num_blocks, num_cpu_blocks = pool.num_blocks, pool.num_cpu_blocks
         self._group = TensorParallelGroup.start(config, model_config, folder, pool)
-        self.loaded: LoadedModel = load_model(folder, config.torch_dtype, config.device, self._group.shard)
+        self.loaded: LoadedModel = load_model(
+            config.model, config.torch_dtype, config.device, self._group.shard, config.dequantize
+        )
         self.tokenizer = self.loaded.tokenizer
         self.text_bound = TextBound.of(self.tokenizer)
         model = self.loaded.model

@@ -52,6 +52,9 @@ class Family:
     settings: dict = field(default_factory=dict)
     name: str = "Tiny"  # general.name
     f16: bool = False  # matrices written as F16, the way llama.cpp's default --outtype does
+    # Matrices written quantized, as `llama-quantize` writes them: the type of the first key found in the
+    # tensor's GGUF name ("" matches every matrix), as a Q4_K_M file mixes types.
+    quant: dict[str, gguf.GGMLQuantizationType] = field(default_factory=dict)
 
 
 FAMILIES = {
@@ -221,7 +224,11 @@ def write_gguf(folder: Path, path: Path, family: Family) -> None:
 
     add_tokenizer(writer, folder)
     for name, array in [*gguf_tensors(folder, config, family), *extra.items()]:
-        writer.add_tensor(name, array)
+        kind = next((kind for part, kind in family.quant.items() if part in name), None)
+        if kind is not None and array.ndim == 2 and ".exps." not in name:
+            writer.add_tensor(name, gguf.quants.quantize(array.astype(np.float32), kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

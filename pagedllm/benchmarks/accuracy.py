@@ -37,6 +37,7 @@ import torch
 
 from pagedllm.attention import cpu
 from pagedllm.config import EngineConfig
+from pagedllm.domains import INT32_MAX, POSITIVE_INTS, Choices, CommaLists, ExistingPaths, FilePaths, Integers
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.models.loader import resolve_model_folder
 from pagedllm.worker.model_runner import FlatBatch
@@ -64,6 +65,8 @@ CONFIGURATIONS = {
     for c in (
         Configuration("pagedllm-float32", "pagedllm", torch.float32),
         Configuration("pagedllm-bfloat16", "pagedllm", torch.bfloat16),
+        # A GGUF file's weights dequantized at load, as before they stayed quantized (issue 26).
+        Configuration("pagedllm-dequantized-bfloat16", "pagedllm", torch.bfloat16, {"dequantize": True}),
         Configuration("transformers-bfloat16", "transformers", torch.bfloat16),
         Configuration(REFERENCE, "transformers", torch.float32),
     )
@@ -161,14 +164,15 @@ def transformers_logprobs(folder: Path, dtype: torch.dtype, text: Text, whole: b
     return torch.cat(pieces, dim=1)
 
 
-def pagedllm_logprobs(folder: Path, config: Configuration, text: Text) -> torch.Tensor:
-    """The same from a fresh pagedllm engine: its model runner stepped over the engine's KV pool, each
-    window a sequence with blocks of its own."""
+def pagedllm_logprobs(model: str | Path | None, config: Configuration, text: Text) -> torch.Tensor:
+    """The same from a fresh pagedllm engine on `model` as the user named it (a GGUF file runs on its
+    quantized weights): its model runner stepped over the engine's KV pool, each window a sequence with
+    blocks of its own."""
     count, width = text.windows.shape
     block_size = int(config.options.get("block_size", _BLOCK_SIZE))
     per_window = -(-width // block_size)
     options = {"num_kv_blocks": count * per_window, "max_model_len": width} | config.options
-    llm = LLM(model=folder, dtype=config.dtype, **options)
+    llm = LLM(model=model, dtype=config.dtype, **options)
     runner = llm.engine.worker.runner
     tables = torch.arange(count * per_window, dtype=torch.int32).view(count, per_window)
     pieces = [_step(runner, text, tables, 0, text.split)]
@@ -240,8 +244,10 @@ def verdicts(rows: list[Row]) -> list[Verdict]:
     return found
 
 
-def run_accuracy(folder: Path, names: list[str], text: Text) -> list[Row]:
-    """The reference row first, then one row per configuration, in the order asked."""
+def run_accuracy(model: str | Path | None, names: list[str], text: Text) -> list[Row]:
+    """The reference row first, then one row per configuration, in the order asked. `transformers` reads
+    the model's folder (a GGUF file's weights dequantized to float32)."""
+    folder = resolve_model_folder(model)
     started = time.perf_counter()
     reference = transformers_logprobs(folder, torch.float32, text, whole=True)
     rows = [score(REFERENCE, reference, reference, text, time.perf_counter() - started)]
@@ -249,7 +255,7 @@ def run_accuracy(folder: Path, names: list[str], text: Text) -> list[Row]:
         config = CONFIGURATIONS[name]
         started = time.perf_counter()
         if config.engine == "pagedllm":
-            logprobs = pagedllm_logprobs(folder, config, text)
+            logprobs = pagedllm_logprobs(model, config, text)
         else:
             logprobs = transformers_logprobs(folder, config.dtype, text)
         rows.append(score(name, reference, logprobs, text, time.perf_counter() - started))
@@ -262,35 +268,38 @@ def run_accuracy(folder: Path, names: list[str], text: Text) -> list[Row]:
 
 
 def add_bench_accuracy_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="HF folder or .gguf (default: embedded SmolLM2-135M)")
+    measured = [n for n in CONFIGURATIONS if n != REFERENCE]
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="HF folder or .gguf (default: embedded SmolLM2-135M)",
+        **ExistingPaths().flag_kwargs(),
+    )
     parser.add_argument(
         "--configs",
-        default=",".join(DEFAULT_CONFIGS),
-        help=f"comma-separated, from {','.join(n for n in CONFIGURATIONS if n != REFERENCE)}",
+        default=DEFAULT_CONFIGS,
+        help=f"comma-separated, from {','.join(measured)} (the reference runs always)",
+        **CommaLists(Choices(tuple(measured))).flag_kwargs(),
     )
-    parser.add_argument("--text", type=Path, default=TEXT, help="a UTF-8 text file (default: the shipped prose)")
-    parser.add_argument("--window", type=int, default=512, help="tokens per window")
-    parser.add_argument("--max-windows", type=int, default=None, help="use at most this many windows")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON to this file")
+    parser.add_argument(
+        "--text", default=TEXT, help="a UTF-8 text file (default: the shipped prose)", **ExistingPaths().flag_kwargs()
+    )
+    parser.add_argument("--window", default=512, help="tokens per window", **Integers(4, INT32_MAX).flag_kwargs())
+    parser.add_argument(
+        "--max-windows", default=None, help="use at most this many windows", **POSITIVE_INTS.flag_kwargs()
+    )
+    parser.add_argument("--threads", default=torch.get_num_threads(), **POSITIVE_INTS.flag_kwargs())
+    parser.add_argument("--out", default=None, help="write the rows as JSON to this file", **FilePaths().flag_kwargs())
 
 
 def run_bench_accuracy(args: argparse.Namespace) -> int:
-    names = [n.strip() for n in args.configs.split(",") if n.strip()]
-    unknown = sorted(set(names) - set(CONFIGURATIONS) | ({REFERENCE} & set(names)))
-    if unknown or not names:
-        choices = ", ".join(n for n in CONFIGURATIONS if n != REFERENCE)
-        raise ValueError(f"configs: unknown {unknown} (the reference runs always); choose from {choices}")
-    if args.threads < 1:
-        raise ValueError(f"threads: {args.threads} must be at least 1")
-    if not args.text.is_file():
-        raise FileNotFoundError(f"text: no file {args.text}")
+    names = list(args.configs)
     torch.set_num_threads(args.threads)
     folder = resolve_model_folder(args.model)
     from transformers import AutoTokenizer
 
     text = load_text(AutoTokenizer.from_pretrained(folder), args.text, args.window, args.max_windows)
-    rows = run_accuracy(folder, names, text)
+    rows = run_accuracy(args.model, names, text)
     found = verdicts(rows)
     print(format_table(rows, found, text, args.threads))
     if args.out is not None:

@@ -299,7 +299,7 @@ class CausalLM(nn.Module):
         not done twice."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.prepack(keep_plain=module.weight is self.embed_tokens.weight)
+                module.prepack(keep_plain=module.weight is getattr(self.embed_tokens, "weight", None))
             elif isinstance(module, SparseMoeBlock):
                 module.prepack()
 

@@ -47,6 +47,8 @@ if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+    from pagedllm.models.quantized import QuantizedWeight
+
 # Part of the cache key: bump it whenever the converted folder's contents change, so stale
 # conversions made by an older pagedllm are not reused.
 CONVERTER_VERSION = 2
@@ -120,6 +122,14 @@ _TURN_END_TOKENS = (
 # llama.cpp's Gemma attention scale is 1/sqrt(hidden/heads) for the 27B models (known by their
 # layer count), 1/sqrt(head_dim) otherwise.
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def quantized_weights(gguf_path: Path) -> dict[str, QuantizedWeight]:
+    """The 2-D tensors of `gguf_path` that stay quantized in memory (`quantized.holds_quantized`), by the
+    parameter names of the converted folder's checkpoint, their rows in that checkpoint's order."""
+    gguf = GGUFFile(gguf_path)
+    family = _family(gguf)
+    return _WeightPlan(gguf, family, hf_config(gguf, family)).quantized()
 
 
 def conversion_key(gguf_path: Path) -> str:
@@ -254,6 +264,11 @@ class GGUFFile:
         if values.dtype != np.float32 or not values.flags.writeable or not values.flags.c_contiguous:
             values = np.array(values, dtype=np.float32, order="C")  # F32 tensors are views of the map
         return values.reshape(info.shape)
+
+    def blocks(self, name: str) -> np.ndarray:
+        """Tensor `name`'s bytes as stored, a copy: `[rows, bytes per row]` (2-D tensors only)."""
+        info = self.tensors[name]
+        return np.array(self._blob[info.start : info.start + info.nbytes].reshape(info.shape[0], -1))
 
     # The layout: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
     def _read_header(self) -> int:
@@ -685,6 +700,41 @@ class _WeightPlan:
         for name, tensor in state.items():
             state[name] = self._fit(name, tensor)
         return {name: _own(tensor) for name, tensor in self._saved_layout(state).items()}
+
+    def quantized(self) -> dict[str, QuantizedWeight]:
+        """`quantized_weights`: each tensor's blocks as stored, reordered by whole rows where transformers'
+        processor reorders rows (the Q/K permutation of the llama family); a tensor the processor changes in
+        any other way is left to the dequantized folder."""
+        import torch
+
+        from pagedllm.models.quantized import QuantizedWeight, holds_quantized
+
+        out: dict[str, QuantizedWeight] = {}
+        for name in self.sources:
+            info, target = self.gguf.tensors[name], self.names.get(name)
+            if target is None or len(info.shape) != 2 or not holds_quantized(info.ggml_type):
+                continue
+            order = self._row_order(name, info.shape[0])
+            if order is not None:
+                data = torch.from_numpy(self.gguf.blocks(name))
+                weight = QuantizedWeight(info.ggml_type, data, info.shape[1]).rows(order)
+                weight.check(f"{self.gguf.path}: tensor {name!r}")
+                out[target] = weight
+        return out
+
+    def _row_order(self, name: str, rows: int) -> torch.Tensor | None:
+        """Where the processor takes each output row from, found by processing the row indices themselves;
+        None when what it does is not a reordering of rows."""
+        import torch
+
+        index = np.arange(rows, dtype=np.float64)[:, None]
+        result = self.processor.process(
+            weights=index, name=name, tensor_key_mapping=self.names, parsed_parameters={"tensors": {}}
+        )
+        order = np.asarray(result.weights)
+        if result.name is None or order.shape != index.shape or not np.array_equal(np.sort(order[:, 0]), index[:, 0]):
+            return None
+        return torch.from_numpy(order[:, 0].astype(np.int64))
 
     def _fit(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         expected = self.shapes[name]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Container, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,8 +14,9 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pagedllm.distributed.parallel import Shard
 from pagedllm.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from pagedllm.models.decoder import CausalLM
+from pagedllm.models.decoder import CausalLM, Embedding, Linear
 from pagedllm.models.moe import moe_weights
+from pagedllm.models.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedWeight
 from pagedllm.models.tensor_parallel import shard_model
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "LoadedModel", "load_model", "resolve_model_folder"]
@@ -52,9 +53,15 @@ def resolve_model_folder(model: str | Path | None) -> Path:
 
 
 def load_model(
-    model: str | Path | None, dtype: torch.dtype, device: str = "cpu", shard: Shard | None = None
+    model: str | Path | None,
+    dtype: torch.dtype,
+    device: str = "cpu",
+    shard: Shard | None = None,
+    dequantize: bool = False,
 ) -> LoadedModel:
-    """The model in `dtype` on `device`; with a `shard` of a tensor-parallel group, that rank's slices."""
+    """The model in `dtype` on `device`; with a `shard` of a tensor-parallel group, that rank's slices.
+    A GGUF file's quantized linear layers and embedding stay quantized (`quantized.py`) unless `dequantize`,
+    or where the quantized kernels cannot go: another device, tensor parallelism."""
     folder = resolve_model_folder(model)
     # Unsupported architectures, missing fields and options we cannot follow exactly fail here,
     # before any weight is read.
@@ -63,8 +70,13 @@ def load_model(
         logger.warning(note)
     # Parameters start as uninitialised (untouched) memory; the checkpoint's tensors replace them.
     net = CausalLM(config)
+    from pagedllm.models.gguf import quantized_weights
+
+    source = _gguf_source(model)
+    if source is not None and not dequantize and device == "cpu" and (shard is None or shard.world_size == 1):
+        _quantize_modules(net, quantized_weights(source), dtype)
     net.load_state_dict(read_state_dict(folder, net, dtype), assign=True)
-    if config.tie_word_embeddings:
+    if config.tie_word_embeddings and isinstance(net.embed_tokens, Embedding):
         net.lm_head.weight = net.embed_tokens.weight
     if shard is not None and shard.world_size > 1:
         shard_model(net, shard)
@@ -72,6 +84,31 @@ def load_model(
     net = net.to(device).eval().requires_grad_(False)
     net.prepack()
     return LoadedModel(net, config, tokenizer, folder)
+
+
+def _gguf_source(model: str | Path | None) -> Path | None:
+    """The GGUF file `model` names (the embedded default is one), or None for a folder."""
+    from pagedllm.models.default import default_model_file
+
+    path = default_model_file() if model is None else Path(model).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
+def _quantize_modules(net: CausalLM, weights: Mapping[str, QuantizedWeight], dtype: torch.dtype) -> None:
+    """Each linear layer whose every checkpoint part is in `weights`, and the embedding if it is, become their
+    quantized forms; their weights are then not read from the dequantized folder."""
+    embedding = weights.get("model.embed_tokens.weight")
+    for name, module in list(net.named_modules()):
+        if not isinstance(module, Linear):
+            continue
+        if name == "lm_head" and net.config.tie_word_embeddings:
+            parts = [embedding] if embedding is not None else []
+        else:
+            parts = [weights.get(key) for key in _checkpoint_keys(weights, f"{name}.weight")]
+        if parts and all(part is not None for part in parts):
+            net.set_submodule(name, QuantizedLinear(parts, bias=module.bias is not None))
+    if embedding is not None:
+        net.embed_tokens = QuantizedEmbedding(embedding, dtype, net.embed_tokens.scale)
 
 
 def read_state_dict(folder: Path, net: CausalLM, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -97,24 +134,25 @@ def read_state_dict(folder: Path, net: CausalLM, dtype: torch.dtype) -> dict[str
 
 def _checkpoint_tensor(raw: Checkpoint, name: str) -> torch.Tensor:
     """Our parameter `name` from checkpoint tensors: renamed (`model.` prefix) or concatenated (fused)."""
+    keys = _checkpoint_keys(raw, name)
+    return raw[keys[0]] if len(keys) == 1 else torch.cat([raw[key] for key in keys], dim=0)
+
+
+def _checkpoint_keys(raw: Container[str], name: str) -> list[str]:
+    """The checkpoint keys our parameter `name` is made of, in order."""
     if f"model.{name}" in raw:
-        return raw[f"model.{name}"]
+        return [f"model.{name}"]
     for fused, parts in _FUSED.items():
         if fused in name:
-            return torch.cat([_lookup(raw, name.replace(fused, part)) for part in parts], dim=0)
-    return _lookup(raw, name)
+            return [_key(raw, name.replace(fused, part)) for part in parts]
+    return [_key(raw, name)]
 
 
-def _lookup(raw: Checkpoint, name: str) -> torch.Tensor:
+def _key(raw: Container[str], name: str) -> str:
     if name == "lm_head.weight":
-        if "lm_head.weight" in raw:
-            return raw["lm_head.weight"]
         # Tied embeddings, or a converted GGUF file without a separate output matrix.
-        return raw["model.embed_tokens.weight"]
-    key = f"model.{name}"
-    if key not in raw:
-        raise KeyError(f"checkpoint in {raw.folder} lacks {key}")
-    return raw[key]
+        return "lm_head.weight" if "lm_head.weight" in raw else "model.embed_tokens.weight"
+    return f"model.{name}"
 
 
 class Checkpoint(Mapping[str, torch.Tensor]):

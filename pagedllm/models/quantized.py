@@ -1,0 +1,191 @@
+"""Linear layers and embeddings on GGUF's block-quantized weights, held as stored.
+
+A `QuantizedWeight` is a GGUF tensor's blocks, one row of blocks per output feature. Q4_0, Q4_1 and Q8_0
+have C kernels (`pagedllm/csrc/quant_ops.c`): few rows (decode) multiply straight from the blocks, many
+rows (prefill, big batches) dequantize the weight into the activations' dtype for the duration of one
+torch GEMM. Without a compiler (or with PAGEDLLM_NATIVE=0) both go through gguf's own dequantization,
+the portable path: the same numbers, slower. Other quantized types (the K-quants, Q5_0, ...) have no
+kernel yet and are dequantized once at load (`holds_quantized` says which).
+
+Activations and sums stay in float32 on the few-row path, so a float32 model on quantized weights is the
+float32 model on the dequantized weights up to summation order.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from functools import cache
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+from torch import nn
+
+from pagedllm import native
+
+_KERNELS = {
+    GGMLQuantizationType.Q4_0: "q4_0",
+    GGMLQuantizationType.Q4_1: "q4_1",
+    GGMLQuantizationType.Q8_0: "q8_0",
+}
+# Each block's bytes, and how many of them (at its start) are fp16 scales and minimums.
+_BLOCK_BYTES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20, GGMLQuantizationType.Q8_0: 34}
+_SCALE_BYTES = {GGMLQuantizationType.Q4_0: 2, GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 2}
+# Up to this many activation rows, the blocks are multiplied as stored; above it, one dequantization per
+# call is cheaper than re-expanding every block for each tile of rows (docs/PERFORMANCE.md).
+FEW_ROWS = 8
+# A dequantized tile of a weight, on the many-row path: small enough to stay in a core's L2 cache.
+TILE_BYTES = 256 << 10
+_PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
+
+
+def holds_quantized(kind: GGMLQuantizationType) -> bool:
+    """Whether weights of this GGUF type stay quantized in memory (a kernel multiplies them)."""
+    return kind in _KERNELS
+
+
+@cache
+def library() -> ctypes.CDLL | None:
+    lib = native.load("quant_ops.c")
+    if lib is None:
+        return None
+    for suffix in _KERNELS.values():
+        for name, argtypes in (
+            (f"gemm_{suffix}", [_PTR, _I64, _I64, _PTR, _I64, _PTR]),
+            (f"dequant_{suffix}_f32", [_PTR, _I64, _I64, _PTR]),
+            (f"dequant_{suffix}_bf16", [_PTR, _I64, _I64, _PTR]),
+        ):
+            kernel = getattr(lib, name)
+            kernel.argtypes = argtypes
+            kernel.restype = None
+    return lib
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedWeight:
+    """`data` holds `[out_features, bytes per row]` of GGUF blocks of type `kind`; each row is one output
+    feature's `in_features` values."""
+
+    kind: GGMLQuantizationType
+    data: torch.Tensor  # uint8
+    in_features: int
+
+    @property
+    def out_features(self) -> int:
+        return self.data.shape[0]
+
+    def slice(self, start: int, end: int) -> QuantizedWeight:
+        """Rows `start .. end`, sharing this weight's memory."""
+        return QuantizedWeight(self.kind, self.data[start:end], self.in_features)
+
+    def rows(self, index: torch.Tensor) -> QuantizedWeight:
+        """The weight of rows `index`, in that order: a row's blocks hold that row's values only."""
+        return QuantizedWeight(self.kind, self.data[index].contiguous(), self.in_features)
+
+    def check(self, where: str) -> None:
+        """Refuse blocks whose scales (and Q4_1's minimums) are not finite: a damaged file."""
+        scales = self.data.view(self.out_features, -1, _BLOCK_BYTES[self.kind])[..., : _SCALE_BYTES[self.kind]]
+        values = scales.contiguous().view(torch.float16).float()
+        bad = (~values.isfinite()).nonzero()
+        if len(bad):
+            row, block = bad[0, 0].item(), bad[0, 1].item()
+            raise ValueError(f"{where}: {self.kind.name} block {block} of row {row} has a scale that is NaN or inf")
+
+    def dequantize(self, dtype: torch.dtype, native_ok: bool = True) -> torch.Tensor:
+        """The values, `[out_features, in_features]` in `dtype`."""
+        lib = library() if native_ok else None
+        suffix = {torch.float32: "f32", torch.bfloat16: "bf16"}.get(dtype)
+        if lib is None or self.kind not in _KERNELS or suffix is None:
+            values = dequantize(self.data.numpy(), self.kind).reshape(self.out_features, self.in_features)
+            return torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
+        out = torch.empty(self.out_features, self.in_features, dtype=dtype)
+        kernel = getattr(lib, f"dequant_{_KERNELS[self.kind]}_{suffix}")
+        kernel(self.data.data_ptr(), self.out_features, self.in_features, out.data_ptr())
+        return out
+
+
+def concatenate(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Parts of one fused matrix (q, k, v or gate, up) stacked by rows; all of one type and width."""
+    first = parts[0]
+    if any(p.kind != first.kind or p.in_features != first.in_features for p in parts):
+        raise ValueError("parts of one fused matrix differ in type or width")
+    return QuantizedWeight(first.kind, torch.cat([p.data for p in parts]), first.in_features)
+
+
+def matmul(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """`x @ W.T` for `x` `[rows, in_features]`, in x's dtype."""
+    lib = library()
+    if x.shape[0] == 0:
+        return x.new_empty((0, weight.out_features))
+    if lib is None or weight.kind not in _KERNELS:
+        return nn.functional.linear(x, weight.dequantize(x.dtype, native_ok=False))
+    if x.shape[0] > FEW_ROWS:
+        return _tiled_product(x, weight)
+    x32 = x.to(torch.float32).contiguous()
+    out = torch.empty(x.shape[0], weight.out_features, dtype=torch.float32)
+    kernel = getattr(lib, f"gemm_{_KERNELS[weight.kind]}")
+    kernel(x32.data_ptr(), x.shape[0], weight.in_features, weight.data.data_ptr(), weight.out_features, out.data_ptr())
+    return out.to(x.dtype)
+
+
+def _tiled_product(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """`x @ W.T` as torch GEMMs over tiles of W's rows, each dequantized into x's dtype just before: a tile
+    stays in the cache between the two, and no whole dequantized matrix is ever held."""
+    dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
+    rows = max(16, TILE_BYTES // (weight.in_features * torch.finfo(dtype).bits // 8))
+    x = x.to(dtype)
+    out = torch.empty(weight.out_features, x.shape[0], dtype=dtype)  # W @ x.T: each tile's rows contiguous
+    for start in range(0, weight.out_features, rows):
+        tile = weight.slice(start, start + rows).dequantize(dtype)
+        torch.mm(tile, x.T, out=out[start : start + rows])
+    return out.T.contiguous()
+
+
+class QuantizedLinear(nn.Module):
+    """A linear layer whose weight is one or more `QuantizedWeight`s stacked by output rows (a fused
+    q/k/v whose parts a GGUF file quantized differently stays in parts). The blocks are plain attributes,
+    not parameters: the state dict read from a checkpoint is the rest of the model's. A bias, where the
+    layer has one, stays a parameter and loads like any other."""
+
+    def __init__(self, parts: list[QuantizedWeight], bias: bool) -> None:
+        super().__init__()
+        self.parts = _merge_alike(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self.bias = nn.Parameter(torch.empty(self.out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = [matmul(x, part) for part in self.parts]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        return out if self.bias is None else out + self.bias
+
+
+class QuantizedEmbedding(nn.Module):
+    """Token embeddings looked up from quantized rows: only the rows a step asks for are dequantized, into
+    the model's `dtype`. Gemma's `scale` as in `decoder.Embedding`."""
+
+    def __init__(self, table: QuantizedWeight, dtype: torch.dtype, scale: float | None) -> None:
+        super().__init__()
+        self.table = table
+        self.dtype = dtype
+        self.scale = scale
+        self.vocab_start: int | None = None  # never vocabulary-parallel: tensor parallelism dequantizes
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = self.table.rows(ids).dequantize(self.dtype)
+        if self.scale is not None:
+            out = out * torch.tensor(self.scale, dtype=torch.float32).to(out.dtype)
+        return out
+
+
+def _merge_alike(parts: list[QuantizedWeight]) -> list[QuantizedWeight]:
+    """Neighbouring parts of one type become one weight, so a fused q/k/v of one type is one kernel call."""
+    merged: list[list[QuantizedWeight]] = []
+    for part in parts:
+        if merged and merged[-1][0].kind == part.kind:
+            merged[-1].append(part)
+        else:
+            merged.append([part])
+    return [group[0] if len(group) == 1 else concatenate(group) for group in merged]

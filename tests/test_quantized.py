@@ -1,0 +1,128 @@
+"""GGUF weights held quantized: the kernels against gguf's own dequantization, whole models against
+`transformers` on the dequantized weights, and damaged blocks refused."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.models import quantized
+from pagedllm.models.gguf import gguf_to_hf_folder
+from pagedllm.models.quantized import FEW_ROWS, QuantizedEmbedding, QuantizedLinear, QuantizedWeight, matmul
+from tests.reference import compare_greedy, reference_greedy
+from tests.test_gguf_families import FAMILIES, save_tiny_family, write_gguf
+
+KINDS = (Q.Q4_0, Q.Q4_1, Q.Q8_0)
+
+
+def _weight(kind: Q, out_features: int, in_features: int, seed: int = 0) -> tuple[QuantizedWeight, torch.Tensor]:
+    """A random weight quantized by gguf, and its values as gguf dequantizes them (float64)."""
+    values = np.random.default_rng(seed).standard_normal((out_features, in_features)).astype(np.float32)
+    blocks = gguf.quants.quantize(values, kind)
+    exact = gguf.quants.dequantize(blocks, kind).reshape(out_features, in_features)
+    return QuantizedWeight(kind, torch.from_numpy(blocks), in_features), torch.from_numpy(exact).double()
+
+
+@pytest.fixture(params=["native", "portable"])
+def path(request, monkeypatch) -> str:
+    monkeypatch.setattr(quantized, "TILE_BYTES", 2048)  # the many-row path in tiles of 16 rows
+    if request.param == "portable":
+        monkeypatch.setattr(quantized, "library", lambda: None)
+    else:
+        assert quantized.library() is not None, "this machine has a C compiler: the native path must build"
+    return request.param
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+@pytest.mark.parametrize("rows", [1, 3, FEW_ROWS, FEW_ROWS + 1, 37])
+def test_float32_product_is_the_dequantized_product(kind: Q, rows: int, path: str) -> None:
+    weight, exact = _weight(kind, 96, 320)
+    x = torch.randn(rows, 320)
+    out = matmul(x, weight)
+    assert out.dtype == torch.float32 and out.shape == (rows, 96)
+    expected = x.double() @ exact.T
+    # float32 sums of 320 products: a few ulps of the terms' magnitude.
+    bound = 1e-5 * (x.double().abs() @ exact.abs().T).max().item()
+    assert (out.double() - expected).abs().max().item() < bound
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+@pytest.mark.parametrize("rows", [2, FEW_ROWS + 5])
+def test_bf16_product_is_within_bf16_rounding(kind: Q, rows: int, path: str) -> None:
+    weight, exact = _weight(kind, 64, 256, seed=1)
+    x = torch.randn(rows, 256).to(torch.bfloat16)
+    out = matmul(x, weight)
+    assert out.dtype == torch.bfloat16
+    expected = x.double() @ exact.T
+    scale = (x.double().abs() @ exact.abs().T).max().item()
+    # The output's rounding (2^-8 relative) and, on the many-row path, the weights' (2^-8 each).
+    assert (out.double() - expected).abs().max().item() < 2**-7 * scale
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+def test_dequantize_and_row_order(kind: Q, path: str) -> None:
+    weight, exact = _weight(kind, 40, 64, seed=2)
+    assert torch.equal(weight.dequantize(torch.float32).double(), exact)
+    order = torch.randperm(40)
+    assert torch.equal(weight.rows(order).dequantize(torch.float32).double(), exact[order])
+
+
+def test_a_nan_scale_is_refused_naming_where() -> None:
+    weight, _ = _weight(Q.Q4_1, 4, 64)
+    weight.check("t")  # a sound weight passes
+    damaged = weight.data.clone()
+    damaged[2, 20 + 2 : 20 + 4] = torch.tensor([0x00, 0x7E], dtype=torch.uint8)  # block 1's minimum: fp16 NaN
+    with pytest.raises(ValueError, match="t: Q4_1 block 1 of row 2 has a scale that is NaN or inf"):
+        QuantizedWeight(Q.Q4_1, damaged, 64).check("t")
+
+
+# --- whole models ---------------------------------------------------------------------------------
+
+# Each family once, as llama-quantize would write it; a second type on attn_v and ffn_down makes fused
+# q/k/v and the MLP hold parts of different types, as a Q4_K_M file's layers do.
+QUANTIZED_FAMILIES = {
+    "llama-q4_0": dataclasses.replace(FAMILIES["llama"], quant={"attn_v": Q.Q8_0, "": Q.Q4_0}),
+    "qwen2-q8_0": dataclasses.replace(FAMILIES["qwen2"], f16=False, quant={"": Q.Q8_0}),
+    "gemma2-q4_1": dataclasses.replace(FAMILIES["gemma2"], quant={"ffn_down": Q.Q8_0, "": Q.Q4_1}),
+    "phi3-q4_0": dataclasses.replace(FAMILIES["phi3"], quant={"": Q.Q4_0}),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(QUANTIZED_FAMILIES))
+def quantized_file(request, tmp_path_factory) -> tuple[Path, Path]:
+    family = QUANTIZED_FAMILIES[request.param]
+    root = tmp_path_factory.mktemp(request.param)
+    path = root / f"tiny-{request.param}.gguf"
+    write_gguf(save_tiny_family(root / "hf", family), path, family)
+    return path, gguf_to_hf_folder(path, cache_dir=root / "cache")
+
+
+def test_greedy_float32_on_quantized_weights_equals_transformers(quantized_file, monkeypatch) -> None:
+    """The oracle: `transformers` on the GGUF's weights dequantized to float32 (the converted folder)."""
+    path, folder = quantized_file
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(folder.parent.parent))  # reuse the conversion
+    llm = LLM(model=path, dtype="float32", num_kv_blocks=64)
+    model = llm.engine.loaded.model
+    linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(linears) == 4 * len(model.layers) + 1  # qkv, o, gate_up, down per layer; the LM head
+    assert isinstance(model.embed_tokens, QuantizedEmbedding)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 380) for _ in range(n)] for n in (1, 9, 40)]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    comparison = compare_greedy(outputs, reference_greedy(folder, prompts, 12))
+    assert comparison.exact == len(prompts), comparison
+
+
+def test_dequantize_keeps_the_plain_layers(quantized_file, monkeypatch) -> None:
+    path, folder = quantized_file
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(folder.parent.parent))
+    model = LLM(model=path, dtype="float32", num_kv_blocks=64, dequantize=True).engine.loaded.model
+    assert not any(isinstance(m, QuantizedLinear | QuantizedEmbedding) for m in model.modules())
