@@ -13,20 +13,35 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, SamplingParams, native
 from pagedllm.models import quantized
 from pagedllm.models.gguf import gguf_to_hf_folder
-from pagedllm.models.quantized import FEW_ROWS, QuantizedEmbedding, QuantizedLinear, QuantizedWeight, matmul
+from pagedllm.models.quantized import BF16_ROWS, FEW_ROWS, QuantizedEmbedding, QuantizedLinear, QuantizedWeight, matmul
 from tests.reference import compare_greedy, reference_greedy
 from tests.test_gguf_families import FAMILIES, save_tiny_family, write_gguf
 
-KINDS = (Q.Q4_0, Q.Q4_1, Q.Q8_0)
+KINDS = (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+# Where each K-quant keeps its fp16 super-scales: gguf-py cannot quantize to these types, so their blocks
+# are random bytes with these made small finite numbers.
+K_SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+
+
+def _blocks(kind: Q, values: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    if kind not in K_SCALES:
+        return gguf.quants.quantize(values, kind)
+    rows, width = values.shape
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    data = rng.integers(0, 256, (rows, width // block, size), dtype=np.uint8)
+    for at in K_SCALES[kind]:
+        data[..., at : at + 2] = rng.uniform(0.001, 0.01, data.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
+    return data.reshape(rows, -1)
 
 
 def _weight(kind: Q, out_features: int, in_features: int, seed: int = 0) -> tuple[QuantizedWeight, torch.Tensor]:
     """A random weight quantized by gguf, and its values as gguf dequantizes them (float64)."""
-    values = np.random.default_rng(seed).standard_normal((out_features, in_features)).astype(np.float32)
-    blocks = gguf.quants.quantize(values, kind)
+    rng = np.random.default_rng(seed)
+    values = rng.standard_normal((out_features, in_features)).astype(np.float32)
+    blocks = _blocks(kind, values, rng)
     exact = gguf.quants.dequantize(blocks, kind).reshape(out_features, in_features)
     return QuantizedWeight(kind, torch.from_numpy(blocks), in_features), torch.from_numpy(exact).double()
 
@@ -44,18 +59,23 @@ def path(request, monkeypatch) -> str:
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
 @pytest.mark.parametrize("rows", [1, 3, FEW_ROWS, FEW_ROWS + 1, 37])
 def test_float32_product_is_the_dequantized_product(kind: Q, rows: int, path: str) -> None:
-    weight, exact = _weight(kind, 96, 320)
-    x = torch.randn(rows, 320)
+    weight, exact = _weight(kind, 96, 512)
+    x = torch.randn(rows, 512)
     out = matmul(x, weight)
     assert out.dtype == torch.float32 and out.shape == (rows, 96)
     expected = x.double() @ exact.T
-    # float32 sums of 320 products: a few ulps of the terms' magnitude.
+    # float32 sums of 512 products: a few ulps of the terms' magnitude.
     bound = 1e-5 * (x.double().abs() @ exact.abs().T).max().item()
     assert (out.double() - expected).abs().max().item() < bound
 
 
+def test_the_bf16_kernel_is_built_where_the_cpu_has_avx512_bf16() -> None:
+    lib = quantized.library()
+    assert lib is not None and bool(lib.has_bf16_gemm()) == ("avx512_bf16" in native.cpu_flags().split())
+
+
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
-@pytest.mark.parametrize("rows", [2, FEW_ROWS + 5])
+@pytest.mark.parametrize("rows", [2, FEW_ROWS + 5, BF16_ROWS + 3])
 def test_bf16_product_is_within_bf16_rounding(kind: Q, rows: int, path: str) -> None:
     weight, exact = _weight(kind, 64, 256, seed=1)
     x = torch.randn(rows, 256).to(torch.bfloat16)
@@ -69,7 +89,7 @@ def test_bf16_product_is_within_bf16_rounding(kind: Q, rows: int, path: str) -> 
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
 def test_dequantize_and_row_order(kind: Q, path: str) -> None:
-    weight, exact = _weight(kind, 40, 64, seed=2)
+    weight, exact = _weight(kind, 40, 256, seed=2)
     assert torch.equal(weight.dequantize(torch.float32).double(), exact)
     order = torch.randperm(40)
     assert torch.equal(weight.rows(order).dequantize(torch.float32).double(), exact[order])

@@ -40,7 +40,16 @@ from pagedllm.beam_search import BeamSearchParams
 from pagedllm.benchmarks.near_tie import compare_sequences, float32_logprobs
 from pagedllm.benchmarks.workloads import WORKLOADS, Workload, make_workload
 from pagedllm.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEVICES, DTypes, resolve_dtype
-from pagedllm.domains import NON_NEGATIVE_INTS, POSITIVE_INTS, SEEDS, Choices, CommaLists, ExistingPaths, FolderPaths
+from pagedllm.domains import (
+    NON_NEGATIVE_INTS,
+    POSITIVE_INTS,
+    SEEDS,
+    Booleans,
+    Choices,
+    CommaLists,
+    ExistingPaths,
+    FolderPaths,
+)
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.loader import resolve_model_folder
@@ -53,7 +62,7 @@ MAX_MODEL_LEN = 4096  # the default --max-model-len, which also bounds the workl
 
 @dataclass(frozen=True, slots=True)
 class BenchSetup:
-    folder: Path
+    folder: Path  # what the peers read (a GGUF file's weights dequantized to float32)
     dtype: torch.dtype
     threads: int
     seed: int
@@ -62,6 +71,8 @@ class BenchSetup:
     hf_batch_size: int = 16
     vllm_python: str | None = None
     check: int = 4  # requests whose outputs are compared with the reference (greedy workloads)
+    model: str | Path | None = None  # what pagedllm reads, as named (a GGUF file runs quantized)
+    dequantize: bool = False
 
 
 @dataclass(slots=True)
@@ -100,7 +111,12 @@ def measure(
 def run_pagedllm(setup: BenchSetup, workload: Workload) -> EngineResult:
     start = time.perf_counter()
     llm = LLM(
-        model=setup.folder, dtype=setup.dtype, seed=setup.seed, max_model_len=setup.max_model_len, device=setup.device
+        model=setup.model,
+        dtype=setup.dtype,
+        seed=setup.seed,
+        max_model_len=setup.max_model_len,
+        device=setup.device,
+        dequantize=setup.dequantize,
     )
     load_seconds = time.perf_counter() - start
     prompts = [{"prompt_token_ids": list(r.prompt)} for r in workload.requests]
@@ -377,6 +393,12 @@ def add_bench_throughput_args(parser: argparse.ArgumentParser) -> None:
         **ExistingPaths().flag_kwargs(),
     )
     parser.add_argument("--dtype", default="auto", **DTypes().flag_kwargs())
+    parser.add_argument(
+        "--dequantize",
+        default=False,
+        help="pagedllm dequantizes a GGUF file's weights at load (default: it runs them quantized)",
+        **Booleans().flag_kwargs(),
+    )
     parser.add_argument("--threads", default=torch.get_num_threads(), **POSITIVE_INTS.flag_kwargs())
     parser.add_argument("--seed", default=0, **SEEDS.flag_kwargs())
     parser.add_argument("--device", default="cpu", **Choices(DEVICES).flag_kwargs())
@@ -411,6 +433,8 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
         hf_batch_size=args.hf_batch_size,
         vllm_python=args.vllm_python,
         check=args.check,
+        model=args.model,
+        dequantize=args.dequantize,
     )
     workload = make_workload(args.workload, args.num_prompts, model_config.vocab_size, max_model_len, args.seed)
     results = run_engines(setup, workload, list(args.engines))

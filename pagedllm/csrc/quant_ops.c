@@ -1,11 +1,19 @@
 /*
  * Linear layers on GGUF's block-quantized weights, read as stored: Q4_0, Q4_1 and Q8_0 (blocks of 32
- * values along a row, each with an fp16 scale, and for Q4_1 an fp16 minimum).
+ * values along a row, each with an fp16 scale, and for Q4_1 an fp16 minimum) and the K-quants a Q4_K_M
+ * file mixes, Q4_K, Q5_K and Q6_K (super-blocks of 256 values: sub-block scales and minimums in 6 or 8
+ * bits under fp16 super-scales). Each type is one `expand_*`: a block to the floats it means, the same
+ * numbers as ggml's (and gguf-py's) dequantization.
  *
- * `gemm_*` serves few rows (decode): each weight block is read once per call, expanded to 32 floats in
- * registers and multiplied into up to TILE activation rows at once, so a decode step reads the packed
- * weights once instead of a dequantized copy four to eight times their size. Activations and sums stay in
- * float32: the result is the float32 product with the dequantized weight, up to summation order.
+ * `gemm_*` serves few rows (decode): each weight block is read once per call, expanded in L1 and
+ * multiplied into up to TILE activation rows at once, so a decode step reads the packed weights once
+ * instead of a dequantized copy four to eight times their size. Activations and sums stay in float32: the
+ * result is the float32 product with the dequantized weight, up to summation order.
+ *
+ * `gemm_bf16_*` does the same for bf16 activations on CPUs with AVX512-BF16: each block is expanded once
+ * per tile of BF16_TILE rows, rounded to bf16 (as a dequantized bf16 model rounds its weights) and
+ * multiplied with vdpbf16ps (32 products an instruction, float32 sums). `has_bf16_gemm` says whether it
+ * was built.
  *
  * `dequant_*` writes whole rows as float32 or bf16, for the many-row path (prefill, big batches), where
  * the caller multiplies them with torch's GEMM, and for embedding lookups.
@@ -14,9 +22,11 @@
  */
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
-
-#define QK 32
+#define QK 32 /* the inner loops' width: every block is a whole number of these */
 #define TILE 4
 
 /* float -> bf16, rounding to nearest even, for finite values only (every value here comes from finite
@@ -33,43 +43,103 @@ static inline float fp16_to_float(const uint8_t *p) {
     return (float)h;
 }
 
-/* Block `b` of a row expanded to 32 floats: the values the GGUF block means. */
-static inline void expand_q4_0(const uint8_t *block, float *out) {
+/* ---- one block to floats (ggml-quants.c's dequantize_row_*) ---------------------------------------- */
+
+static inline void expand_q4_0(const uint8_t *restrict block, float *restrict out) {
     const float d = fp16_to_float(block);
     const uint8_t *qs = block + 2;
     /* Two loops, one per nibble, so each is one 16-lane vector operation. */
-    for (int j = 0; j < QK / 2; j++) out[j] = d * (float)((int)(qs[j] & 0x0F) - 8);
-    for (int j = 0; j < QK / 2; j++) out[j + QK / 2] = d * (float)((int)(qs[j] >> 4) - 8);
+    for (int j = 0; j < 16; j++) out[j] = d * (float)((int)(qs[j] & 0x0F) - 8);
+    for (int j = 0; j < 16; j++) out[j + 16] = d * (float)((int)(qs[j] >> 4) - 8);
 }
 
-static inline void expand_q4_1(const uint8_t *block, float *out) {
+static inline void expand_q4_1(const uint8_t *restrict block, float *restrict out) {
     const float d = fp16_to_float(block), m = fp16_to_float(block + 2);
     const uint8_t *qs = block + 4;
-    for (int j = 0; j < QK / 2; j++) out[j] = d * (float)(qs[j] & 0x0F) + m;
-    for (int j = 0; j < QK / 2; j++) out[j + QK / 2] = d * (float)(qs[j] >> 4) + m;
+    for (int j = 0; j < 16; j++) out[j] = d * (float)(qs[j] & 0x0F) + m;
+    for (int j = 0; j < 16; j++) out[j + 16] = d * (float)(qs[j] >> 4) + m;
 }
 
-static inline void expand_q8_0(const uint8_t *block, float *out) {
+static inline void expand_q8_0(const uint8_t *restrict block, float *restrict out) {
     const float d = fp16_to_float(block);
     const int8_t *qs = (const int8_t *)(block + 2);
-    for (int j = 0; j < QK; j++) out[j] = d * (float)qs[j];
+    for (int j = 0; j < 32; j++) out[j] = d * (float)qs[j];
 }
 
-/* y[i][r] = sum_k x[i][k] * w[r][k] for rows r of one weight row range, activation rows i0 .. i0 + mt;
- * `mt` is a constant at every call site, so each tile size gets its own unrolled copy. */
-#define DEFINE_GEMM(TYPE, BYTES)                                                                          \
+/* The 6-bit scale and minimum of sub-block j of a Q4_K or Q5_K super-block. */
+static inline void scale_min_k4(int j, const uint8_t *q, float *scale, float *min) {
+    if (j < 4) {
+        *scale = (float)(q[j] & 63);
+        *min = (float)(q[j + 4] & 63);
+    } else {
+        *scale = (float)((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
+        *min = (float)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+    }
+}
+
+/* Q4_K: d, dmin (fp16), 12 bytes of scales, 128 bytes of nibbles; each 32 bytes hold two sub-blocks. */
+static inline void expand_q4_k(const uint8_t *restrict block, float *restrict out) {
+    const float d = fp16_to_float(block), dmin = fp16_to_float(block + 2);
+    const uint8_t *scales = block + 4, *qs = block + 16;
+    for (int c = 0; c < 4; c++, qs += 32, out += 64) {
+        float s1, m1, s2, m2;
+        scale_min_k4(2 * c, scales, &s1, &m1);
+        scale_min_k4(2 * c + 1, scales, &s2, &m2);
+        const float d1 = d * s1, o1 = dmin * m1, d2 = d * s2, o2 = dmin * m2;
+        for (int l = 0; l < 32; l++) out[l] = d1 * (float)(qs[l] & 0x0F) - o1;
+        for (int l = 0; l < 32; l++) out[l + 32] = d2 * (float)(qs[l] >> 4) - o2;
+    }
+}
+
+/* Q5_K: as Q4_K, with a fifth bit of every value in 32 bytes of high bits before the nibbles. */
+static inline void expand_q5_k(const uint8_t *restrict block, float *restrict out) {
+    const float d = fp16_to_float(block), dmin = fp16_to_float(block + 2);
+    const uint8_t *scales = block + 4, *qh = block + 16, *qs = block + 48;
+    for (int c = 0; c < 4; c++, qs += 32, out += 64) {
+        float s1, m1, s2, m2;
+        scale_min_k4(2 * c, scales, &s1, &m1);
+        scale_min_k4(2 * c + 1, scales, &s2, &m2);
+        const float d1 = d * s1, o1 = dmin * m1, d2 = d * s2, o2 = dmin * m2;
+        const int low = 2 * c, high = 2 * c + 1;
+        for (int l = 0; l < 32; l++) out[l] = d1 * (float)((qs[l] & 0x0F) | (((qh[l] >> low) & 1) << 4)) - o1;
+        for (int l = 0; l < 32; l++) out[l + 32] = d2 * (float)((qs[l] >> 4) | (((qh[l] >> high) & 1) << 4)) - o2;
+    }
+}
+
+/* Q6_K: 128 bytes of low nibbles, 64 bytes of 2-bit highs, 16 int8 sub-block scales, d (fp16) last. */
+static inline void expand_q6_k(const uint8_t *restrict block, float *restrict out) {
+    const float d = fp16_to_float(block + 208);
+    const uint8_t *ql = block, *qh = block + 128;
+    const int8_t *sc = (const int8_t *)(block + 192);
+    for (int half = 0; half < 2; half++, ql += 64, qh += 32, sc += 8, out += 128) {
+        for (int l = 0; l < 32; l++) {
+            const int is = l / 16;
+            out[l] = d * sc[is] * (float)(((ql[l] & 0x0F) | (((qh[l] >> 0) & 3) << 4)) - 32);
+            out[l + 32] = d * sc[is + 2] * (float)(((ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4)) - 32);
+            out[l + 64] = d * sc[is + 4] * (float)(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+            out[l + 96] = d * sc[is + 6] * (float)(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+        }
+    }
+}
+
+/* ---- kernels, per type: BYTES a block, QB values a block ------------------------------------------- */
+
+/* y[i][r] = sum_k x[i][k] * w[r][k] for one weight row, activation rows 0 .. mt; `mt` is a constant at
+ * every call site, so each tile size gets its own unrolled copy. */
+#define DEFINE_KERNELS(TYPE, BYTES, QB)                                                                   \
     static inline void tile_##TYPE(const float *x, int64_t k, const uint8_t *row, int64_t blocks,         \
                                    float *y, int64_t n, int mt) {                                          \
         float acc[TILE][QK];                                                                              \
         memset(acc, 0, sizeof acc);                                                                       \
-        float w[QK];                                                                                      \
+        float w[QB];                                                                                      \
         for (int64_t b = 0; b < blocks; b++) {                                                            \
             expand_##TYPE(row + b * (BYTES), w);                                                          \
-            for (int i = 0; i < mt; i++) {                                                                \
-                const float *xb = x + i * k + b * QK;                                                     \
-                _Pragma("omp simd")                                                                       \
-                for (int j = 0; j < QK; j++) acc[i][j] += w[j] * xb[j];                                   \
-            }                                                                                             \
+            for (int c = 0; c < (QB) / QK; c++)                                                           \
+                for (int i = 0; i < mt; i++) {                                                            \
+                    const float *xb = x + i * k + b * (QB) + c * QK;                                      \
+                    _Pragma("omp simd")                                                                   \
+                    for (int j = 0; j < QK; j++) acc[i][j] += w[c * QK + j] * xb[j];                      \
+                }                                                                                         \
         }                                                                                                 \
         for (int i = 0; i < mt; i++) {                                                                    \
             float sum = 0.f;                                                                              \
@@ -80,7 +150,7 @@ static inline void expand_q8_0(const uint8_t *block, float *out) {
     }                                                                                                     \
                                                                                                           \
     void gemm_##TYPE(const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, float *y) {       \
-        const int64_t blocks = k / QK, row_bytes = blocks * (BYTES);                                      \
+        const int64_t blocks = k / (QB), row_bytes = blocks * (BYTES);                                    \
         _Pragma("omp parallel for schedule(static)")                                                      \
         for (int64_t r = 0; r < n; r++) {                                                                 \
             const uint8_t *row = w + r * row_bytes;                                                       \
@@ -96,27 +166,73 @@ static inline void expand_q8_0(const uint8_t *block, float *out) {
     }                                                                                                     \
                                                                                                           \
     void dequant_##TYPE##_f32(const uint8_t *w, int64_t rows, int64_t k, float *out) {                    \
-        const int64_t blocks = k / QK;                                                                    \
+        const int64_t blocks = k / (QB);                                                                  \
         _Pragma("omp parallel for schedule(static)")                                                      \
         for (int64_t r = 0; r < rows; r++)                                                                \
             for (int64_t b = 0; b < blocks; b++)                                                          \
-                expand_##TYPE(w + (r * blocks + b) * (BYTES), out + r * k + b * QK);                      \
+                expand_##TYPE(w + (r * blocks + b) * (BYTES), out + r * k + b * (QB));                    \
     }                                                                                                     \
                                                                                                           \
     void dequant_##TYPE##_bf16(const uint8_t *w, int64_t rows, int64_t k, uint16_t *out) {                \
-        const int64_t blocks = k / QK;                                                                    \
+        const int64_t blocks = k / (QB);                                                                  \
         _Pragma("omp parallel for schedule(static)")                                                      \
         for (int64_t r = 0; r < rows; r++) {                                                              \
-            float values[QK];                                                                             \
+            float values[QB];                                                                             \
             for (int64_t b = 0; b < blocks; b++) {                                                        \
                 expand_##TYPE(w + (r * blocks + b) * (BYTES), values);                                    \
-                uint16_t *dst = out + r * k + b * QK;                                                     \
+                uint16_t *dst = out + r * k + b * (QB);                                                   \
                 _Pragma("omp simd")                                                                       \
-                for (int j = 0; j < QK; j++) dst[j] = finite_to_bf16(values[j]);                           \
+                for (int j = 0; j < (QB); j++) dst[j] = finite_to_bf16(values[j]);                        \
             }                                                                                             \
+        }                                                                                                 \
+    }                                                                                                     \
+    DEFINE_GEMM_BF16(TYPE, BYTES, QB)
+
+#if defined(__AVX512BF16__)
+#define BF16_TILE 8
+
+#define DEFINE_GEMM_BF16(TYPE, BYTES, QB)                                                                 \
+    static inline void bf16_tile_##TYPE(const uint16_t *x, int64_t k, const uint8_t *row, int64_t blocks, \
+                                        float *y, int64_t n, int mt) {                                    \
+        __m512 acc[BF16_TILE];                                                                            \
+        for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();                                        \
+        float values[QB];                                                                                 \
+        for (int64_t b = 0; b < blocks; b++) {                                                            \
+            expand_##TYPE(row + b * (BYTES), values);                                                     \
+            for (int c = 0; c < (QB) / QK; c++) {                                                         \
+                const __m512bh wv = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(values + c * QK + 16),           \
+                                                        _mm512_loadu_ps(values + c * QK));                \
+                for (int i = 0; i < mt; i++) {                                                            \
+                    const __m512i xv = _mm512_loadu_si512((const void *)(x + i * k + b * (QB) + c * QK)); \
+                    acc[i] = _mm512_dpbf16_ps(acc[i], wv, (__m512bh)xv);                                   \
+                }                                                                                         \
+            }                                                                                             \
+        }                                                                                                 \
+        for (int i = 0; i < mt; i++) y[i * n] = _mm512_reduce_add_ps(acc[i]);                             \
+    }                                                                                                     \
+                                                                                                          \
+    void gemm_bf16_##TYPE(const uint16_t *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, float *y) { \
+        const int64_t blocks = k / (QB), row_bytes = blocks * (BYTES);                                    \
+        _Pragma("omp parallel for schedule(static)")                                                      \
+        for (int64_t r = 0; r < n; r++) {                                                                 \
+            const uint8_t *row = w + r * row_bytes;                                                       \
+            int64_t i = 0;                                                                                \
+            /* Full tiles with a constant row count, so their accumulators stay in registers. */         \
+            for (; i + BF16_TILE <= m; i += BF16_TILE)                                                    \
+                bf16_tile_##TYPE(x + i * k, k, row, blocks, y + i * n + r, n, BF16_TILE);                 \
+            if (i < m) bf16_tile_##TYPE(x + i * k, k, row, blocks, y + i * n + r, n, (int)(m - i));       \
         }                                                                                                 \
     }
 
-DEFINE_GEMM(q4_0, 18)
-DEFINE_GEMM(q4_1, 20)
-DEFINE_GEMM(q8_0, 34)
+int has_bf16_gemm(void) { return 1; }
+#else
+#define DEFINE_GEMM_BF16(TYPE, BYTES, QB)
+int has_bf16_gemm(void) { return 0; }
+#endif
+
+DEFINE_KERNELS(q4_0, 18, 32)
+DEFINE_KERNELS(q4_1, 20, 32)
+DEFINE_KERNELS(q8_0, 34, 32)
+DEFINE_KERNELS(q4_k, 144, 256)
+DEFINE_KERNELS(q5_k, 176, 256)
+DEFINE_KERNELS(q6_k, 210, 256)

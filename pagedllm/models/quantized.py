@@ -1,10 +1,11 @@
 """Linear layers and embeddings on GGUF's block-quantized weights, held as stored.
 
-A `QuantizedWeight` is a GGUF tensor's blocks, one row of blocks per output feature. Q4_0, Q4_1 and Q8_0
-have C kernels (`pagedllm/csrc/quant_ops.c`): few rows (decode) multiply straight from the blocks, many
-rows (prefill, big batches) dequantize the weight into the activations' dtype for the duration of one
-torch GEMM. Without a compiler (or with PAGEDLLM_NATIVE=0) both go through gguf's own dequantization,
-the portable path: the same numbers, slower. Other quantized types (the K-quants, Q5_0, ...) have no
+A `QuantizedWeight` is a GGUF tensor's blocks, one row of blocks per output feature. Q4_0, Q4_1, Q8_0 and
+the K-quants Q4_K, Q5_K and Q6_K have C kernels (`pagedllm/csrc/quant_ops.c`): few rows (decode) multiply
+straight from the blocks (float32, or bf16 dot products where the CPU has AVX512-BF16), many rows (prefill,
+big batches) dequantize the weight a tile at a time into the activations' dtype for torch's GEMM. Without a
+compiler (or with PAGEDLLM_NATIVE=0) both go through gguf's own dequantization, the portable path: the same
+numbers, slower. Other quantized types (Q5_0, Q2_K, the IQ types, ...) have no
 kernel yet and are dequantized once at load (`holds_quantized` says which).
 
 Activations and sums stay in float32 on the few-row path, so a float32 model on quantized weights is the
@@ -19,7 +20,7 @@ from functools import cache
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 from torch import nn
 
@@ -29,15 +30,28 @@ _KERNELS = {
     GGMLQuantizationType.Q4_0: "q4_0",
     GGMLQuantizationType.Q4_1: "q4_1",
     GGMLQuantizationType.Q8_0: "q8_0",
+    GGMLQuantizationType.Q4_K: "q4_k",
+    GGMLQuantizationType.Q5_K: "q5_k",
+    GGMLQuantizationType.Q6_K: "q6_k",
 }
-# Each block's bytes, and how many of them (at its start) are fp16 scales and minimums.
-_BLOCK_BYTES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20, GGMLQuantizationType.Q8_0: 34}
-_SCALE_BYTES = {GGMLQuantizationType.Q4_0: 2, GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 2}
+# Where in each block its fp16 scales (and minimums) lie.
+_SCALE_BYTES = {
+    GGMLQuantizationType.Q4_0: slice(0, 2),
+    GGMLQuantizationType.Q4_1: slice(0, 4),
+    GGMLQuantizationType.Q8_0: slice(0, 2),
+    GGMLQuantizationType.Q4_K: slice(0, 4),
+    GGMLQuantizationType.Q5_K: slice(0, 4),
+    GGMLQuantizationType.Q6_K: slice(208, 210),
+}
 # Up to this many activation rows, the blocks are multiplied as stored; above it, one dequantization per
 # call is cheaper than re-expanding every block for each tile of rows (docs/PERFORMANCE.md).
 FEW_ROWS = 8
+# Up to this many bf16 rows, where the CPU has AVX512-BF16, the blocks are multiplied as stored with bf16
+# dot products; above it the tiles below.
+BF16_ROWS = 16
 # A dequantized tile of a weight, on the many-row path: small enough to stay in a core's L2 cache.
-TILE_BYTES = 256 << 10
+TILE_BYTES = 2 << 20
+_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -60,6 +74,11 @@ def library() -> ctypes.CDLL | None:
             kernel = getattr(lib, name)
             kernel.argtypes = argtypes
             kernel.restype = None
+    lib.has_bf16_gemm.restype = ctypes.c_int
+    if lib.has_bf16_gemm():
+        for suffix in _KERNELS.values():
+            getattr(lib, f"gemm_bf16_{suffix}").argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR]
+            getattr(lib, f"gemm_bf16_{suffix}").restype = None
     return lib
 
 
@@ -86,7 +105,7 @@ class QuantizedWeight:
 
     def check(self, where: str) -> None:
         """Refuse blocks whose scales (and Q4_1's minimums) are not finite: a damaged file."""
-        scales = self.data.view(self.out_features, -1, _BLOCK_BYTES[self.kind])[..., : _SCALE_BYTES[self.kind]]
+        scales = self.data.view(self.out_features, -1, GGML_QUANT_SIZES[self.kind][1])[..., _SCALE_BYTES[self.kind]]
         values = scales.contiguous().view(torch.float16).float()
         bad = (~values.isfinite()).nonzero()
         if len(bad):
@@ -96,7 +115,7 @@ class QuantizedWeight:
     def dequantize(self, dtype: torch.dtype, native_ok: bool = True) -> torch.Tensor:
         """The values, `[out_features, in_features]` in `dtype`."""
         lib = library() if native_ok else None
-        suffix = {torch.float32: "f32", torch.bfloat16: "bf16"}.get(dtype)
+        suffix = _SUFFIXES.get(dtype)
         if lib is None or self.kind not in _KERNELS or suffix is None:
             values = dequantize(self.data.numpy(), self.kind).reshape(self.out_features, self.in_features)
             return torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
@@ -121,8 +140,10 @@ def matmul(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
         return x.new_empty((0, weight.out_features))
     if lib is None or weight.kind not in _KERNELS:
         return nn.functional.linear(x, weight.dequantize(x.dtype, native_ok=False))
+    if x.dtype == torch.bfloat16 and x.shape[0] <= BF16_ROWS and lib.has_bf16_gemm():
+        return _bf16_product(x, weight, lib)
     if x.shape[0] > FEW_ROWS:
-        return _tiled_product(x, weight)
+        return _tiled_product(x, weight, lib)
     x32 = x.to(torch.float32).contiguous()
     out = torch.empty(x.shape[0], weight.out_features, dtype=torch.float32)
     kernel = getattr(lib, f"gemm_{_KERNELS[weight.kind]}")
@@ -130,17 +151,30 @@ def matmul(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     return out.to(x.dtype)
 
 
-def _tiled_product(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
-    """`x @ W.T` as torch GEMMs over tiles of W's rows, each dequantized into x's dtype just before: a tile
-    stays in the cache between the two, and no whole dequantized matrix is ever held."""
-    dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
+def _bf16_product(x: torch.Tensor, weight: QuantizedWeight, lib: ctypes.CDLL) -> torch.Tensor:
+    """`x @ W.T` for bf16 `x` straight from the blocks with the AVX512-BF16 kernel (float32 sums)."""
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], weight.out_features, dtype=torch.float32)
+    kernel = getattr(lib, f"gemm_bf16_{_KERNELS[weight.kind]}")
+    kernel(x.data_ptr(), x.shape[0], weight.in_features, weight.data.data_ptr(), weight.out_features, out.data_ptr())
+    return out.to(torch.bfloat16)
+
+
+def _tiled_product(x: torch.Tensor, weight: QuantizedWeight, lib: ctypes.CDLL) -> torch.Tensor:
+    """`x @ W.T` as torch GEMMs over tiles of W's rows, each dequantized into x's dtype just before into one
+    reused buffer: a tile stays in the cache between the two, and no whole dequantized matrix is ever held."""
+    dtype = x.dtype if x.dtype in _SUFFIXES else torch.float32
     rows = max(16, TILE_BYTES // (weight.in_features * torch.finfo(dtype).bits // 8))
     x = x.to(dtype)
-    out = torch.empty(weight.out_features, x.shape[0], dtype=dtype)  # W @ x.T: each tile's rows contiguous
+    out = torch.empty(x.shape[0], weight.out_features, dtype=dtype)
+    buffer = torch.empty(min(rows, weight.out_features), weight.in_features, dtype=dtype)
+    kernel = getattr(lib, f"dequant_{_KERNELS[weight.kind]}_{_SUFFIXES[dtype]}")
+    row_bytes, base = weight.data.shape[1], weight.data.data_ptr()
     for start in range(0, weight.out_features, rows):
-        tile = weight.slice(start, start + rows).dequantize(dtype)
-        torch.mm(tile, x.T, out=out[start : start + rows])
-    return out.T.contiguous()
+        count = min(rows, weight.out_features - start)
+        kernel(base + start * row_bytes, count, weight.in_features, buffer.data_ptr())
+        out[:, start : start + count] = nn.functional.linear(x, buffer[:count])
+    return out
 
 
 class QuantizedLinear(nn.Module):
