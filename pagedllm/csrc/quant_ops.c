@@ -22,7 +22,7 @@
  */
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -45,25 +45,43 @@ static inline float fp16_to_float(const uint8_t *p) {
 
 /* ---- one block to floats (ggml-quants.c's dequantize_row_*) ---------------------------------------- */
 
+/* 16 nibbles (the low or high halves of 16 bytes) times d plus offset: d * q + offset for elements 0..15
+ * (low) and 16..31 (high) of a 4-bit block. */
+static inline void expand_nibbles(const uint8_t *restrict qs, float d, float offset, float *restrict out) {
+#if defined(__AVX512F__)
+    const __m128i q = _mm_loadu_si128((const __m128i *)qs), low = _mm_set1_epi8(0x0F);
+    const __m512 dv = _mm512_set1_ps(d), ov = _mm512_set1_ps(offset);
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, low)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), low)));
+    _mm512_storeu_ps(out, _mm512_fmadd_ps(lo, dv, ov));
+    _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(hi, dv, ov));
+#else
+    for (int j = 0; j < 16; j++) out[j] = d * (float)(qs[j] & 0x0F) + offset;
+    for (int j = 0; j < 16; j++) out[j + 16] = d * (float)(qs[j] >> 4) + offset;
+#endif
+}
+
 static inline void expand_q4_0(const uint8_t *restrict block, float *restrict out) {
     const float d = fp16_to_float(block);
-    const uint8_t *qs = block + 2;
-    /* Two loops, one per nibble, so each is one 16-lane vector operation. */
-    for (int j = 0; j < 16; j++) out[j] = d * (float)((int)(qs[j] & 0x0F) - 8);
-    for (int j = 0; j < 16; j++) out[j + 16] = d * (float)((int)(qs[j] >> 4) - 8);
+    expand_nibbles(block + 2, d, -8.f * d, out);
 }
 
 static inline void expand_q4_1(const uint8_t *restrict block, float *restrict out) {
-    const float d = fp16_to_float(block), m = fp16_to_float(block + 2);
-    const uint8_t *qs = block + 4;
-    for (int j = 0; j < 16; j++) out[j] = d * (float)(qs[j] & 0x0F) + m;
-    for (int j = 0; j < 16; j++) out[j + 16] = d * (float)(qs[j] >> 4) + m;
+    expand_nibbles(block + 4, fp16_to_float(block), fp16_to_float(block + 2), out);
 }
 
 static inline void expand_q8_0(const uint8_t *restrict block, float *restrict out) {
     const float d = fp16_to_float(block);
     const int8_t *qs = (const int8_t *)(block + 2);
+#if defined(__AVX512F__)
+    /* gcc's own vectorization of the loop below is slow here (scalar sign extensions); spelled out. */
+    const __m512 dv = _mm512_set1_ps(d);
+    _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)qs))), dv));
+    _mm512_storeu_ps(out + 16,
+                     _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16)))), dv));
+#else
     for (int j = 0; j < 32; j++) out[j] = d * (float)qs[j];
+#endif
 }
 
 /* The 6-bit scale and minimum of sub-block j of a Q4_K or Q5_K super-block. */
