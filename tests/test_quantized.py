@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import random
+import subprocess
 from pathlib import Path
 
 import gguf
@@ -93,6 +95,27 @@ def test_dequantize_and_row_order(kind: Q, path: str) -> None:
     assert torch.equal(weight.dequantize(torch.float32).double(), exact)
     order = torch.randperm(40)
     assert torch.equal(weight.rows(order).dequantize(torch.float32).double(), exact[order])
+
+
+@pytest.fixture(scope="module")
+def portable_library(tmp_path_factory) -> ctypes.CDLL:
+    """quant_ops.c built for any x86-64 since 2009 (SSE4.2, no AVX): the code other CPUs than this one run."""
+    out = tmp_path_factory.mktemp("portable") / "quant_ops.so"
+    flags = [f for f in native.FLAGS if not f.startswith("-march")]
+    source = native.CSRC_DIR / "quant_ops.c"
+    subprocess.run(["gcc", *flags, "-march=x86-64-v2", f"-I{native.CSRC_DIR}", str(source), "-o", str(out)], check=True)
+    return ctypes.CDLL(str(out))
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+def test_the_kernels_built_without_vector_extensions(kind: Q, portable_library: ctypes.CDLL, monkeypatch) -> None:
+    assert portable_library.has_bf16_gemm() == 0
+    monkeypatch.setattr(quantized, "library", lambda: quantized.declare(portable_library))
+    weight, exact = _weight(kind, 48, 512, seed=3)
+    assert torch.equal(weight.dequantize(torch.float32).double(), exact)
+    x = torch.randn(5, 512)
+    bound = 1e-5 * (x.double().abs() @ exact.abs().T).max().item()
+    assert (matmul(x, weight).double() - x.double() @ exact.T).abs().max().item() < bound
 
 
 def test_a_nan_scale_is_refused_naming_where() -> None:

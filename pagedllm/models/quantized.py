@@ -63,22 +63,21 @@ def holds_quantized(kind: GGMLQuantizationType) -> bool:
 @cache
 def library() -> ctypes.CDLL | None:
     lib = native.load("quant_ops.c")
-    if lib is None:
-        return None
-    for suffix in _KERNELS.values():
-        for name, argtypes in (
-            (f"gemm_{suffix}", [_PTR, _I64, _I64, _PTR, _I64, _PTR]),
-            (f"dequant_{suffix}_f32", [_PTR, _I64, _I64, _PTR]),
-            (f"dequant_{suffix}_bf16", [_PTR, _I64, _I64, _PTR]),
-        ):
-            kernel = getattr(lib, name)
-            kernel.argtypes = argtypes
-            kernel.restype = None
+    return None if lib is None else declare(lib)
+
+
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """`lib` (a build of quant_ops.c) with its functions' argument types set."""
+    gemm, dequant = [_PTR, _I64, _I64, _PTR, _I64, _PTR], [_PTR, _I64, _I64, _PTR]
     lib.has_bf16_gemm.restype = ctypes.c_int
+    names = [(f"gemm_{s}", gemm) for s in _KERNELS.values()]
+    names += [(f"dequant_{s}_{t}", dequant) for s in _KERNELS.values() for t in _SUFFIXES.values()]
     if lib.has_bf16_gemm():
-        for suffix in _KERNELS.values():
-            getattr(lib, f"gemm_bf16_{suffix}").argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR]
-            getattr(lib, f"gemm_bf16_{suffix}").restype = None
+        names += [(f"gemm_bf16_{s}", gemm) for s in _KERNELS.values()]
+    for name, argtypes in names:
+        kernel = getattr(lib, name)
+        kernel.argtypes = argtypes
+        kernel.restype = None
     return lib
 
 
