@@ -316,12 +316,12 @@ def format_table(rows: list[Row], found: list[Verdict], text: Text, threads: int
         f"{count} windows of {width} tokens ({count * (width - 1)} scored, the first {text.split} of each in one "
         f"prompt step, the rest decoded); {threads} threads; bf16 attention kernel: "
         f"{'AVX512-BF16' if cpu.has_fast_bf16() else 'portable'}; KL(float32 reference || config) in nats",
-        f"{'config':<24} {'PPL':>8} {'ΔPPL':>8} {'mean KL':>9} {'p99 KL':>9} {'top-1':>7} "
+        f"{'config':<30} {'PPL':>8} {'ΔPPL':>8} {'mean KL':>9} {'p99 KL':>9} {'top-1':>7} "
         f"{'KL prompt':>10} {'KL decode':>10} {'s':>6}",
     ]
     for r in rows:
         lines.append(
-            f"{r.config:<24} {r.perplexity:>8.3f} {r.delta_perplexity:>+8.3f} {r.mean_kl:>9.5f} {r.p99_kl:>9.5f} "
+            f"{r.config:<30} {r.perplexity:>8.3f} {r.delta_perplexity:>+8.3f} {r.mean_kl:>9.5f} {r.p99_kl:>9.5f} "
             f"{100 * r.top1_agreement:>6.2f}% {r.mean_kl_prompt:>10.5f} {r.mean_kl_decode:>10.5f} {r.seconds:>6.1f}"
         )
     for v in found:
