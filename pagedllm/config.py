@@ -36,6 +36,7 @@ DEFAULT_KV_CACHE_MEMORY = 4 << 30  # bytes; the same default as vLLM's CPU backe
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 PREEMPTION_MODES = ("recompute", "swap")
+QUANTIZATIONS = ("int8", "int4")
 DEVICES = ("cpu", "cuda")
 # uvicorn's levels less its "trace": the same flag sets Python's logging, which has no such level.
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -101,6 +102,12 @@ class EngineConfig:
         "a GGUF file's quantized weights dequantized to dtype at load (default: held and computed as stored)",
         domain=Booleans(),
     )
+    quantization: str | None = option(
+        None,
+        "quantize the linear layers and embedding of an HF checkpoint (or a GGUF file's unquantized ones) once at "
+        "load: int8 (Q8_0, 8-bit values in blocks of 32 with a scale each) or int4 (Q4_0, 4-bit)",
+        domain=Choices(QUANTIZATIONS),
+    )
     enable_prefix_caching: bool = option(True, "reuse cached prompt blocks", domain=Booleans())
     preemption_mode: str = option(
         "recompute", "what preemption does with a request's KV", domain=Choices(PREEMPTION_MODES)
@@ -151,6 +158,11 @@ class EngineConfig:
         ):
             raise ValueError(
                 f"tensor_parallel_size {self.tensor_parallel_size} exceeds the {torch.cuda.device_count()} GPUs"
+            )
+        if self.quantization is not None and (self.device != "cpu" or self.tensor_parallel_size > 1):
+            raise ValueError(
+                f"quantization {self.quantization!r} runs on one CPU rank only (device {self.device!r}, "
+                f"tensor_parallel_size {self.tensor_parallel_size})"
             )
         if self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank must be below nnodes ({self.nnodes}), got {self.node_rank}")

@@ -70,7 +70,7 @@ class LLMEngine:
         num_blocks, num_cpu_blocks = pool.num_blocks, pool.num_cpu_blocks
         self._group = TensorParallelGroup.start(config, model_config, folder, pool)
         self.loaded: LoadedModel = load_model(
-            config.model, config.torch_dtype, config.device, self._group.shard, config.dequantize
+            config.model, config.torch_dtype, config.device, self._group.shard, config.dequantize, config.quantization
         )
         self.tokenizer = self.loaded.tokenizer
         self.text_bound = TextBound.of(self.tokenizer)

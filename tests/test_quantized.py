@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import random
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -14,8 +15,10 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from safetensors.torch import load_file, save_file
 
 from pagedllm import LLM, SamplingParams, native
+from pagedllm.config import EngineConfig
 from pagedllm.models import quantized
 from pagedllm.models.gguf import gguf_to_hf_folder
 from pagedllm.models.quantized import BF16_ROWS, FEW_ROWS, QuantizedEmbedding, QuantizedLinear, QuantizedWeight, matmul
@@ -169,3 +172,43 @@ def test_dequantize_keeps_the_plain_layers(quantized_file, monkeypatch) -> None:
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(folder.parent.parent))
     model = LLM(model=path, dtype="float32", num_kv_blocks=64, dequantize=True).engine.loaded.model
     assert not any(isinstance(m, QuantizedLinear | QuantizedEmbedding) for m in model.modules())
+
+
+# --- quantization= on an HF checkpoint --------------------------------------------------------------
+
+TYPES = {"int8": Q.Q8_0, "int4": Q.Q4_0}
+
+
+def _round_tripped(original: Path, target: Path, kind: Q) -> Path:
+    """`original` with every matrix quantized to `kind` by gguf and dequantized again: what the engine computes
+    with, as a checkpoint transformers reads."""
+    shutil.copytree(original, target)
+    tensors = load_file(original / "model.safetensors")
+    for name, tensor in tensors.items():
+        if tensor.ndim == 2:
+            values = tensor.float().numpy()
+            back = gguf.quants.dequantize(gguf.quants.quantize(values, kind), kind).reshape(values.shape)
+            tensors[name] = torch.from_numpy(np.ascontiguousarray(back)).to(tensor.dtype)
+    save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
+    return target
+
+
+@pytest.mark.parametrize("quantization", sorted(TYPES))
+def test_quantization_equals_transformers_on_the_round_tripped_weights(quantization, tiny_llama, tmp_path) -> None:
+    llm = LLM(model=tiny_llama, dtype="float32", num_kv_blocks=64, quantization=quantization)
+    model = llm.engine.loaded.model
+    assert isinstance(model.lm_head, QuantizedLinear) and model.lm_head.parts[0].kind == TYPES[quantization]
+    assert isinstance(model.embed_tokens, QuantizedEmbedding)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 380) for _ in range(n)] for n in (2, 11, 35)]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    reference = _round_tripped(tiny_llama, tmp_path / "round-tripped", TYPES[quantization])
+    comparison = compare_greedy(outputs, reference_greedy(reference, prompts, 12))
+    assert comparison.exact == len(prompts), comparison
+
+
+def test_quantization_is_refused_off_a_single_cpu_rank() -> None:
+    with pytest.raises(ValueError, match="quantization 'int8' runs on one CPU rank only"):
+        EngineConfig(quantization="int8", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="quantization must be"):
+        EngineConfig(quantization="int3")

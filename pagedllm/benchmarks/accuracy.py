@@ -67,6 +67,8 @@ CONFIGURATIONS = {
         Configuration("pagedllm-bfloat16", "pagedllm", torch.bfloat16),
         # A GGUF file's weights dequantized at load, as before they stayed quantized (issue 26).
         Configuration("pagedllm-dequantized-bfloat16", "pagedllm", torch.bfloat16, {"dequantize": True}),
+        Configuration("pagedllm-int8-bfloat16", "pagedllm", torch.bfloat16, {"quantization": "int8"}),
+        Configuration("pagedllm-int4-bfloat16", "pagedllm", torch.bfloat16, {"quantization": "int4"}),
         Configuration("transformers-bfloat16", "transformers", torch.bfloat16),
         Configuration(REFERENCE, "transformers", torch.float32),
     )
@@ -255,7 +257,10 @@ def run_accuracy(model: str | Path | None, names: list[str], text: Text) -> list
         config = CONFIGURATIONS[name]
         started = time.perf_counter()
         if config.engine == "pagedllm":
-            logprobs = pagedllm_logprobs(model, config, text)
+            # Quantizing at load starts from the folder's float weights (a GGUF file's own quantized
+            # tensors would be kept as they are).
+            source = folder if "quantization" in config.options else model
+            logprobs = pagedllm_logprobs(source, config, text)
         else:
             logprobs = transformers_logprobs(folder, config.dtype, text)
         rows.append(score(name, reference, logprobs, text, time.perf_counter() - started))

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
 from safetensors import safe_open
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -22,6 +24,9 @@ from pagedllm.models.tensor_parallel import shard_model
 __all__ = ["SUPPORTED_ARCHITECTURES", "LoadedModel", "load_model", "resolve_model_folder"]
 
 logger = logging.getLogger(__name__)
+
+# `quantization`'s names for GGUF block types: 8-bit and 4-bit values in blocks of 32, one scale each.
+QUANTIZATION_TYPES = {"int8": GGMLQuantizationType.Q8_0, "int4": GGMLQuantizationType.Q4_0}
 
 # Our fused matrices and the checkpoint's parts, in order; a checkpoint that stores the fused matrix
 # itself (Phi3's qkv_proj and gate_up_proj) is read as is.
@@ -58,10 +63,12 @@ def load_model(
     device: str = "cpu",
     shard: Shard | None = None,
     dequantize: bool = False,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """The model in `dtype` on `device`; with a `shard` of a tensor-parallel group, that rank's slices.
     A GGUF file's quantized linear layers and embedding stay quantized (`quantized.py`) unless `dequantize`,
-    or where the quantized kernels cannot go: another device, tensor parallelism."""
+    or where the quantized kernels cannot go: another device, tensor parallelism. `quantization` ("int8",
+    "int4") quantizes the rest of them once, here."""
     folder = resolve_model_folder(model)
     # Unsupported architectures, missing fields and options we cannot follow exactly fail here,
     # before any weight is read.
@@ -70,11 +77,8 @@ def load_model(
         logger.warning(note)
     # Parameters start as uninitialised (untouched) memory; the checkpoint's tensors replace them.
     net = CausalLM(config)
-    from pagedllm.models.gguf import quantized_weights
-
-    source = _gguf_source(model)
-    if source is not None and not dequantize and device == "cpu" and (shard is None or shard.world_size == 1):
-        _quantize_modules(net, quantized_weights(source), dtype)
+    if device == "cpu" and (shard is None or shard.world_size == 1):
+        _quantize_modules(net, _held_quantized(model, folder, net, dequantize, quantization), dtype)
     net.load_state_dict(read_state_dict(folder, net, dtype), assign=True)
     if config.tie_word_embeddings and isinstance(net.embed_tokens, Embedding):
         net.lm_head.weight = net.embed_tokens.weight
@@ -84,6 +88,37 @@ def load_model(
     net = net.to(device).eval().requires_grad_(False)
     net.prepack()
     return LoadedModel(net, config, tokenizer, folder)
+
+
+def _held_quantized(
+    model: str | Path | None, folder: Path, net: CausalLM, dequantize: bool, quantization: str | None
+) -> dict[str, QuantizedWeight]:
+    """The checkpoint tensors that stay quantized: a GGUF file's own, then the rest quantized to `quantization`."""
+    from pagedllm.models.gguf import quantized_weights
+
+    source = _gguf_source(model)
+    held = quantized_weights(source) if source is not None and not dequantize else {}
+    if quantization is not None:
+        held |= quantize_checkpoint(folder, net, QUANTIZATION_TYPES[quantization], held)
+    return held
+
+
+def quantize_checkpoint(
+    folder: Path, net: CausalLM, kind: GGMLQuantizationType, held: Mapping[str, QuantizedWeight]
+) -> dict[str, QuantizedWeight]:
+    """The linear layers' matrices and the embedding of the checkpoint in `folder`, each read and quantized to
+    `kind` by gguf's own quantizer (what llama-quantize computes for these types), one tensor at a time; those
+    in `held` are left alone, and so are matrices whose rows are not whole blocks of 32."""
+    raw = Checkpoint(folder)
+    linears = [name for name, module in net.named_modules() if isinstance(module, Linear)]
+    keys = {"model.embed_tokens.weight"} | {key for name in linears for key in _checkpoint_keys(raw, f"{name}.weight")}
+    out: dict[str, QuantizedWeight] = {}
+    for key in sorted(keys - set(held)):
+        tensor = raw.get(key)
+        if tensor is not None and tensor.ndim == 2 and tensor.shape[1] % 32 == 0:
+            blocks = quantize(tensor.float().numpy(), kind)
+            out[key] = QuantizedWeight(kind, torch.from_numpy(blocks), tensor.shape[1])
+    return out
 
 
 def _gguf_source(model: str | Path | None) -> Path | None:
