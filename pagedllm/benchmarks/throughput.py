@@ -52,6 +52,7 @@ from pagedllm.domains import (
 )
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.models.config import ModelConfig
+from pagedllm.models.default import default_model_file
 from pagedllm.models.loader import resolve_model_folder
 from pagedllm.sampling_params import SamplingParams
 
@@ -71,7 +72,7 @@ class BenchSetup:
     hf_batch_size: int = 16
     vllm_python: str | None = None
     check: int = 4  # requests whose outputs are compared with the reference (greedy workloads)
-    model: str | Path | None = None  # what pagedllm reads, as named (a GGUF file runs quantized)
+    model: str | Path | None = None  # what pagedllm reads, as named (a GGUF file runs quantized); None: `folder`
     dequantize: bool = False
 
 
@@ -111,7 +112,7 @@ def measure(
 def run_pagedllm(setup: BenchSetup, workload: Workload) -> EngineResult:
     start = time.perf_counter()
     llm = LLM(
-        model=setup.model,
+        model=setup.folder if setup.model is None else setup.model,
         dtype=setup.dtype,
         seed=setup.seed,
         max_model_len=setup.max_model_len,
@@ -433,7 +434,7 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
         hf_batch_size=args.hf_batch_size,
         vllm_python=args.vllm_python,
         check=args.check,
-        model=args.model,
+        model=default_model_file() if args.model is None else args.model,
         dequantize=args.dequantize,
     )
     workload = make_workload(args.workload, args.num_prompts, model_config.vocab_size, max_model_len, args.seed)
