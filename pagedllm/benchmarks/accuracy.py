@@ -52,21 +52,27 @@ _BLOCK_SIZE = next(f.default for f in fields(EngineConfig) if f.name == "block_s
 
 @dataclass(frozen=True, slots=True)
 class Configuration:
-    """One path to measure: an engine, a dtype and, for pagedllm, any further engine options."""
+    """One path to measure: an engine, a dtype and, for pagedllm, any further engine options; `peer`, the
+    configuration whose distance from float32 this one's must not exceed (the oracle), where there is one."""
 
     name: str
     engine: str  # "pagedllm" or "transformers"
     dtype: torch.dtype
     options: dict[str, object] = field(default_factory=dict)
+    peer: str | None = None
 
 
 CONFIGURATIONS = {
     c.name: c
     for c in (
         Configuration("pagedllm-float32", "pagedllm", torch.float32),
-        Configuration("pagedllm-bfloat16", "pagedllm", torch.bfloat16),
+        Configuration("pagedllm-bfloat16", "pagedllm", torch.bfloat16, peer="transformers-bfloat16"),
         # A GGUF file's weights dequantized at load, as before they stayed quantized (issue 26).
-        Configuration("pagedllm-dequantized-bfloat16", "pagedllm", torch.bfloat16, {"dequantize": True}),
+        Configuration(
+            "pagedllm-dequantized-bfloat16", "pagedllm", torch.bfloat16, {"dequantize": True}, "transformers-bfloat16"
+        ),
+        # Weights quantized at load: their peers are other engines' files of those types (llama.cpp's
+        # `llama-perplexity --kl-divergence`), outside this command.
         Configuration("pagedllm-int8-bfloat16", "pagedllm", torch.bfloat16, {"quantization": "int8"}),
         Configuration("pagedllm-int4-bfloat16", "pagedllm", torch.bfloat16, {"quantization": "int4"}),
         Configuration("transformers-bfloat16", "transformers", torch.bfloat16),
@@ -229,14 +235,12 @@ def score(name: str, reference: torch.Tensor, logprobs: torch.Tensor, text: Text
 
 
 def verdicts(rows: list[Row]) -> list[Verdict]:
-    """Each reduced-precision pagedllm row judged against `transformers` in the same dtype, where both ran."""
+    """Each row whose configuration has a peer judged against the peer's row, where both ran."""
     by_name = {row.config: row for row in rows}
     found = []
     for row in rows:
         config = CONFIGURATIONS.get(row.config)
-        if config is None or config.engine != "pagedllm" or config.dtype == torch.float32:
-            continue
-        peer = by_name.get(f"transformers-{str(config.dtype).removeprefix('torch.')}")
+        peer = by_name.get(config.peer) if config is not None and config.peer is not None else None
         if peer is not None:
             ratio = row.mean_kl / peer.mean_kl if peer.mean_kl > 0 else math.inf
             losses = int((peer.agrees & ~row.agrees).sum())
