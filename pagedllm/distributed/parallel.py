@@ -98,9 +98,15 @@ def join(rank: int, world_size: int, rendezvous: Rendezvous, device: str) -> Sha
     return _shard
 
 
-def leave() -> None:
+def leave(synchronize: bool = False) -> None:
+    """Leave the group. `synchronize`, the ordinary end of a healthy group: every rank first meets the
+    others at a barrier, so that none tears its connections down while another may still be reading the
+    stop message from them (without it, a follower on another node was seen to abort at the group's end).
+    The ranks of a broken group cannot meet, and leave at once."""
     global _shard, _counts
     if dist.is_initialized():
+        if synchronize and _shard.world_size > 1:
+            dist.barrier()
         dist.destroy_process_group()
     _shard = Shard()
     _counts = CollectiveCounts()

@@ -28,8 +28,10 @@ def main(argv: list[str]) -> int:
     worker = Worker(model, shape, spec.num_blocks, spec.num_cpu_blocks, spec.device, frozenset())
     try:
         worker.follow()
-    finally:
+    except BaseException:
         parallel.leave()
+        raise
+    parallel.leave(synchronize=True)
     return 0
 
 

@@ -136,6 +136,7 @@ class TensorParallelGroup:
         try:
             if not self.followers.dead() and not self.broken:
                 leader.stop_followers()
+                parallel.leave(synchronize=True)
         except RuntimeError:
             logger.warning("the other ranks did not take the stop message; stopping their processes")
         self.followers.stop(_STOP_GRACE_S)
