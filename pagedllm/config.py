@@ -37,6 +37,7 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 PREEMPTION_MODES = ("recompute", "swap")
 QUANTIZATIONS = ("int8", "int4")
+KV_CACHE_DTYPES = ("auto", "int8")
 DEVICES = ("cpu", "cuda")
 # uvicorn's levels less its "trace": the same flag sets Python's logging, which has no such level.
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -107,6 +108,12 @@ class EngineConfig:
         "quantize the linear layers and embedding of an HF checkpoint (or a GGUF file's unquantized ones) once at "
         "load: int8 (Q8_0, 8-bit values in blocks of 32 with a scale each) or int4 (Q4_0, 4-bit)",
         domain=Choices(QUANTIZATIONS),
+    )
+    kv_cache_dtype: str = option(
+        "auto",
+        "KV cache storage: auto (the model's dtype) or int8 (8-bit K/V with a float32 scale per token and KV head: "
+        "about twice the blocks in the same memory)",
+        domain=Choices(KV_CACHE_DTYPES),
     )
     enable_prefix_caching: bool = option(True, "reuse cached prompt blocks", domain=Booleans())
     preemption_mode: str = option(

@@ -21,7 +21,7 @@ from pagedllm.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from pagedllm.kv.events import KVEventFile, KVEventSink
 from pagedllm.kv.kv_cache_manager import KVCacheManager
 from pagedllm.models.config import ModelConfig
-from pagedllm.models.loader import LoadedModel, load_model, resolve_model_folder
+from pagedllm.models.loader import LoadedModel, load_model, resolve_model_folder, runs_quantized
 from pagedllm.output_processor import OutputProcessor, ProcessedStep
 from pagedllm.outputs import EngineStats, KVSnapshot, RequestOutput
 from pagedllm.request import SequenceGroup
@@ -64,10 +64,12 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         started = time.perf_counter()
         self.config = config
-        folder = resolve_model_folder(config.model)
+        lean = runs_quantized(config.device, config.tensor_parallel_size) and not config.dequantize
+        folder = resolve_model_folder(config.model, lean)
         model_config = ModelConfig.from_folder(folder)
         pool = pool_size(config, model_config)
         num_blocks, num_cpu_blocks = pool.num_blocks, pool.num_cpu_blocks
+        self._bytes_per_block = pool.bytes_per_block
         self._group = TensorParallelGroup.start(config, model_config, folder, pool)
         self.loaded: LoadedModel = load_model(
             config.model, config.torch_dtype, config.device, self._group.shard, config.dequantize, config.quantization
@@ -75,7 +77,14 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         self.text_bound = TextBound.of(self.tokenizer)
         model = self.loaded.model
-        shape = KVShape(model.num_layers, model.num_kv_heads, model.head_dim, config.block_size, config.torch_dtype)
+        shape = KVShape.of(
+            model.num_layers,
+            model.num_kv_heads,
+            model.head_dim,
+            config.block_size,
+            config.torch_dtype,
+            config.kv_cache_dtype,
+        )
         window = _kv_window(self.loaded)
         self.max_model_len = _max_model_len(self.loaded, config, num_blocks, window)
         self.vocab_size = self.loaded.config.vocab_size
@@ -343,7 +352,7 @@ class LLMEngine:
     def kv_snapshot(self) -> KVSnapshot:
         """Every block's reference count, the cached blocks and every live sequence's block table, copied.
         O(num_blocks + table entries); not thread-safe, like every method here: call it where `step` is called."""
-        return self.scheduler.kv_snapshot(self._num_steps)
+        return dataclasses.replace(self.scheduler.kv_snapshot(self._num_steps), bytes_per_block=self._bytes_per_block)
 
     # ---- listeners (all called on the thread that steps) ------------------------------------
 

@@ -95,6 +95,8 @@ class KVSnapshot:
     swapped_out_blocks: int  # how many CPU blocks are in use; their ids are in the sequences' `swapped_blocks`
     num_preemptions: int  # since the engine started
     sequences: list[SequenceKV]  # every live sequence, by request arrival
+    # Of one block, K and V of every layer (an int8 cache's scales included); the pool is num_blocks of them.
+    bytes_per_block: int = 0
 
     def as_dict(self) -> dict:
         """A JSON-ready dict; shallow (the lists are shared, not copied) because it can hold 100,000s of ids."""

@@ -5,7 +5,9 @@ CPU path falls back to the torch backend (see `dispatch`).
 One call attends every sequence of a step (decode tokens and prefill chunks) in place through the block
 table. bf16 runs the AVX512-BF16 kernel where the compiler targets it (this machine's `-march=native`)
 and the head dim is a multiple of 32; everything else runs the portable C kernel. A sliding window or
-soft-capping runs each kernel's general specialization; without them the plain one runs, unchanged.
+soft-capping runs each kernel's general specialization; without them the plain one runs, unchanged. An
+int8 cache (`kv_quant`'s rows) runs the portable kernel of the query's dtype, its rows dequantized to
+float32 a chunk at a time.
 
 Set PAGEDLLM_NATIVE=0 to disable it (see `pagedllm.native`).
 """
@@ -18,9 +20,14 @@ from functools import cache
 import torch
 
 from pagedllm import native
+from pagedllm.attention import kv_quant
 from pagedllm.attention.metadata import AttentionCall
 
 _PORTABLE = {torch.bfloat16: "paged_attention_bf16_portable", torch.float32: "paged_attention_f32_portable"}
+_INT8_KV = {
+    torch.bfloat16: "paged_attention_bf16_int8kv_portable",
+    torch.float32: "paged_attention_f32_int8kv_portable",
+}
 _FAST_BF16 = "paged_attention_bf16_avx512"  # only built where the compiler targets AVX512-BF16
 # The C side's limits: MAX_HEAD_DIM, and MAX_ITEM_ROWS query heads per KV head.
 MAX_HEAD_DIM = 256
@@ -44,7 +51,7 @@ def library() -> ctypes.CDLL | None:
     lib = native.load("paged_attention.c")
     if lib is None:
         return None
-    for name in (*_PORTABLE.values(), _FAST_BF16):
+    for name in (*_PORTABLE.values(), *_INT8_KV.values(), _FAST_BF16):
         if hasattr(lib, name):
             kernel = getattr(lib, name)
             kernel.argtypes = _ARGTYPES
@@ -74,7 +81,7 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return (
         query.device.type == "cpu"
         and query.dtype in _PORTABLE
-        and k_cache.dtype == query.dtype
+        and k_cache.dtype in (query.dtype, torch.int8)
         and k_cache.is_contiguous()
         and query.shape[-1] <= MAX_HEAD_DIM
         and query.shape[1] // k_cache.shape[2] <= MAX_GROUP
@@ -82,7 +89,10 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     )
 
 
-def kernel_name(dtype: torch.dtype, head_dim: int) -> str:
+def kernel_name(dtype: torch.dtype, head_dim: int, cache_dtype: torch.dtype | None = None) -> str:
+    """The kernel for queries of `dtype` on a cache of `cache_dtype` (default: the same)."""
+    if cache_dtype == torch.int8:
+        return _INT8_KV[dtype]
     if dtype == torch.bfloat16 and head_dim % 32 == 0 and has_fast_bf16():
         return _FAST_BF16
     return _PORTABLE[dtype]
@@ -95,9 +105,9 @@ def attend(call: AttentionCall) -> torch.Tensor:
     assert lib is not None
     query, k_cache, metadata = call.query.contiguous(), call.k_cache, call.metadata
     out = torch.empty(query.shape, dtype=query.dtype)
-    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], kv_quant.head_dim(k_cache)
     block_tables = metadata.block_tables
-    getattr(lib, kernel_name(query.dtype, head_dim))(
+    getattr(lib, kernel_name(query.dtype, head_dim, k_cache.dtype))(
         query.data_ptr(),
         k_cache.data_ptr(),
         call.v_cache.data_ptr(),

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.attention import cpu, reference, torch_ops
+from pagedllm.attention import cpu, kv_quant, reference, torch_ops
 from pagedllm.attention.metadata import AttentionCall, AttentionMetadata, Backend
 
 Attend = Callable[[AttentionCall], torch.Tensor]
@@ -53,8 +53,9 @@ def get_backend(name: str | None, device: torch.device | str, *, partition_size:
 def write_kv(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Store each token's K/V at its slot (`block * block_size + offset`); a negative slot is padding."""
-    if k_cache.is_cuda:
+    """Store each token's K/V at its slot (`block * block_size + offset`); a negative slot is padding. An
+    int8 cache gets each row quantized with its scale (`kv_quant`), on any device."""
+    if k_cache.is_cuda and not kv_quant.is_int8(k_cache):
         from pagedllm.attention import triton_ops
 
         triton_ops.write_kv(key, value, k_cache, v_cache, slot_mapping)
@@ -62,9 +63,11 @@ def write_kv(
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    num_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, num_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    if kv_quant.is_int8(k_cache):
+        key, value = kv_quant.quantize(key), kv_quant.quantize(value)
+    num_heads, row_width = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_heads, row_width).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, num_heads, row_width).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
 def paged_attention(

@@ -5,16 +5,18 @@ The sliding window and soft-capping of `AttentionCall` follow Hugging Face trans
 
 import torch
 
+from pagedllm.attention import kv_quant
 from pagedllm.attention.metadata import AttentionCall
 
 
 def gather_sequence(cache: torch.Tensor, block_row: torch.Tensor, length: int, start: int = 0) -> torch.Tensor:
-    """Positions `start..length` of one sequence, read through its block-table row: [length - start, H_kv, D].
-    Only the entries of the blocks holding those positions are read."""
+    """Positions `start..length` of one sequence, read through its block-table row: [length - start, H_kv, D]
+    in float32 (dequantized from an int8 cache). Only the entries of the blocks holding those positions are
+    read."""
     block_size = cache.shape[1]
     positions = torch.arange(start, length)
     blocks = block_row.long()[positions // block_size]
-    return cache[blocks, positions % block_size]
+    return kv_quant.as_float(cache[blocks, positions % block_size])
 
 
 def attend(call: AttentionCall) -> torch.Tensor:
@@ -30,8 +32,8 @@ def attend(call: AttentionCall) -> torch.Tensor:
         first_position = seq_len - (end - start)
         lowest = max(0, first_position - window + 1) if window > 0 else 0
         table = metadata.block_tables[s]
-        keys = gather_sequence(call.k_cache, table, seq_len, lowest).float().repeat_interleave(group, dim=1)
-        values = gather_sequence(call.v_cache, table, seq_len, lowest).float().repeat_interleave(group, dim=1)
+        keys = gather_sequence(call.k_cache, table, seq_len, lowest).repeat_interleave(group, dim=1)
+        values = gather_sequence(call.v_cache, table, seq_len, lowest).repeat_interleave(group, dim=1)
         for j in range(end - start):
             position = first_position + j
             visible_from = max(0, position - window + 1) if window > 0 else 0

@@ -8,7 +8,9 @@ heads copies). A prefill chunk reads its whole context from the cache and applie
 
 With a sliding window, each sequence's blocks are gathered from the block holding the window start of its
 first query token (the blocks before it may be freed: their table entries are never read), and the
-positions before each query's window are masked; soft-capping is applied to the scaled scores."""
+positions before each query's window are masked; soft-capping is applied to the scaled scores.
+
+An int8 cache's gathered blocks are dequantized to float32 (`kv_quant`) before the products."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.attention import kv_quant
 from pagedllm.attention.metadata import AttentionCall, AttentionMetadata, DecodeRows, PrefillChunk
 
 DECODE_GROUP_SIZE = 16
@@ -116,10 +119,12 @@ def _cap(scores: torch.Tensor, softcap: float) -> torch.Tensor:
 
 def _attend_decode(call: AttentionCall, group: DecodeGroup) -> torch.Tensor:
     num_seqs, padded_len = group.invalid.shape[0], group.invalid.shape[1]
-    block_size, num_kv_heads, head_dim = call.k_cache.shape[1:]
-    shape = (group.block_ids.numel(), block_size, num_kv_heads, head_dim)
+    shape = (group.block_ids.numel(), *call.k_cache.shape[1:])
     keys = torch.index_select(call.k_cache, 0, group.block_ids, out=_WORKSPACE.take("k", shape, call.k_cache))
     values = torch.index_select(call.v_cache, 0, group.block_ids, out=_WORKSPACE.take("v", shape, call.v_cache))
+    if kv_quant.is_int8(keys):
+        keys, values = kv_quant.dequantize(keys), kv_quant.dequantize(values)
+    num_kv_heads = call.k_cache.shape[2]
     keys, values = keys.view(num_seqs, padded_len, -1), values.view(num_seqs, padded_len, -1)
     q = call.query.index_select(0, group.token_index)  # [S, H, D]
     if num_kv_heads <= MAX_KV_HEADS_BLOCK_DIAGONAL:
@@ -166,18 +171,24 @@ def _decode_per_kv_head(
     return out.view(num_seqs, num_heads, head_dim)
 
 
+def _rows(blocks: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` positions of gathered blocks as `[length, H_kv, D]`, int8 ones dequantized."""
+    rows = blocks.view(-1, *blocks.shape[2:])[:length]
+    return kv_quant.dequantize(rows) if kv_quant.is_int8(rows) else rows
+
+
 def _attend_chunk(call: AttentionCall, chunk: PrefillChunk) -> torch.Tensor:
     """A chunk's query j sits at position seq_len - q_len + j (after the cached tokens, if any). With a
     window, its context is read from the block holding the first query's window start."""
     query, window, scale = call.query[chunk.rows], call.window, call.scale
     q_len, seq_len = query.shape[0], chunk.seq_len
-    block_size, num_kv_heads, head_dim = call.k_cache.shape[1:]
+    block_size, num_kv_heads, head_dim = call.k_cache.shape[1], call.k_cache.shape[2], query.shape[2]
     group = query.shape[1] // num_kv_heads
     first_block = window_start(seq_len - q_len, window) // block_size
     lowest = first_block * block_size
     block_ids = chunk.block_tables[0, first_block : -(-seq_len // block_size)]
-    keys = call.k_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[: seq_len - lowest]
-    values = call.v_cache.index_select(0, block_ids).view(-1, num_kv_heads, head_dim)[: seq_len - lowest]
+    keys = _rows(call.k_cache.index_select(0, block_ids), seq_len - lowest)
+    values = _rows(call.v_cache.index_select(0, block_ids), seq_len - lowest)
     q = query.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv_heads, -1, head_dim)
     scores = torch.matmul(q.float(), keys.permute(1, 2, 0).float()).mul_(scale).view(num_kv_heads, group, q_len, -1)
     key_positions = torch.arange(lowest, seq_len)

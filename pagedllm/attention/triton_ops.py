@@ -28,6 +28,10 @@ Dot products take float32 operands: float32 caches use exact IEEE products; bf16
 in TF32, so TF32 tensor cores give them exact products with float32 accumulation, and the softmax
 weights keep 10 mantissa bits instead of bf16's 7. (Triton's interpreter also multiplies bf16 operands
 of `tl.dot` as their raw bits, so a bf16 dot could not be tested on the CPU.)
+
+An int8 cache (INT8_KV, `kv_quant`'s rows: HEAD_DIM int8 values, then their float32 scale) is read as its
+integers, exact in TF32 too, with each position's scale applied to its scores after Q.K and folded into
+its softmax weights before P.V. Its rows are written by `dispatch.write_kv`'s torch path, which quantizes.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.attention import kv_quant
 from pagedllm.attention.metadata import AttentionCall, PrefillChunk
 
 DEFAULT_PARTITION_SIZE = 512
@@ -64,11 +69,15 @@ class Geometry:
     head_dim: int
     block_size: int
     dot_precision: str
+    int8_kv: bool
 
     @classmethod
     def of(cls, query: torch.Tensor, k_cache: torch.Tensor) -> Geometry:
-        precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
-        return cls(query.shape[1] // k_cache.shape[2], query.shape[2], k_cache.shape[1], precision)
+        int8_kv = kv_quant.is_int8(k_cache)
+        # An int8 cache's dots take the model's precision: its integers are exact either way.
+        values_dtype = query.dtype if int8_kv else k_cache.dtype
+        precision = "ieee" if values_dtype == torch.float32 else "tf32"
+        return cls(query.shape[1] // k_cache.shape[2], query.shape[2], k_cache.shape[1], precision, int8_kv)
 
     @property
     def group_pad(self) -> int:
@@ -90,6 +99,7 @@ class Geometry:
             "BLOCK_SIZE": self.block_size,
             "TILE": TILE,
             "DOT_PRECISION": self.dot_precision,
+            "INT8_KV": self.int8_kv,
         }
 
 
@@ -141,6 +151,12 @@ def _tanh(x):
 
 
 @triton.jit
+def _row_scales(cache_ptr, offsets, in_range, HEAD_DIM: tl.constexpr):
+    """The float32 scales of an int8 cache's rows at `offsets` (0 past the end)."""
+    return tl.load((cache_ptr + offsets + HEAD_DIM).to(tl.pointer_type(tl.float32)), mask=in_range, other=0.0)
+
+
+@triton.jit
 def _attend(
     q,
     k_ptr,
@@ -159,17 +175,20 @@ def _attend(
     dims,
     dim_ok,
     ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     ROW_WINDOWS: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    INT8_KV: tl.constexpr,
 ):
     """Attend the rows of `q` to positions [start, end) of one sequence, row r to those below limit[r] and,
     with ROW_WINDOWS, not below lowest[r]; `table_ptr` points at the sequence's block-table row, read only
     for positions in [start, end). SOFTCAP: logits tanh(dot * cap_in) * cap_out instead of dot * qk_scale.
-    Returns the running max logit (base 2), exp-sum and unnormalized output of each row."""
+    INT8_KV: K/V rows of int8 with their float32 scale at element HEAD_DIM. Returns the running max logit
+    (base 2), exp-sum and unnormalized output of each row."""
     m = tl.full([ROWS], float("-inf"), tl.float32)
     sums = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, HEAD_PAD], tl.float32)
@@ -180,10 +199,13 @@ def _attend(
         offsets = block * stride_b + (pos % BLOCK_SIZE) * stride_t + head_offset
         kv_mask = in_range[:, None] & dim_ok[None, :]
         k = tl.load(k_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        if SOFTCAP:
-            scores = _tanh(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * cap_in) * cap_out
+        dots = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if INT8_KV:
+            dots = dots * _row_scales(k_ptr, offsets, in_range, HEAD_DIM)[None, :]
+        if SOFTCAP:  # noqa: SIM108 (constexpr branches, as before INT8_KV)
+            scores = _tanh(dots * cap_in) * cap_out
         else:
-            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            scores = dots * qk_scale
         visible = in_range[None, :] & (pos[None, :] < limit[:, None])
         if ROW_WINDOWS:
             visible = visible & (pos[None, :] >= lowest[:, None])
@@ -196,7 +218,10 @@ def _attend(
         p = tl.exp2(scores - m_safe[:, None])
         sums = sums * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        weights = p
+        if INT8_KV:
+            weights = p * _row_scales(v_ptr, offsets, in_range, HEAD_DIM)[None, :]
+        acc = acc * alpha[:, None] + tl.dot(weights, v, input_precision=DOT_PRECISION)
         m = m_new
     return m, sums, acc
 
@@ -251,6 +276,7 @@ def _decode_kernel(
     DOT_PRECISION: tl.constexpr,
     WINDOWED: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    INT8_KV: tl.constexpr,
 ):
     """v1 (one pass over the whole context, normalized into `out`) or, PARTITIONED, v2 (one partition per
     program: partial results to m/l `[S, H, num_parts]` and acc `[S, H, num_parts, HEAD_DIM]`, float32).
@@ -292,12 +318,14 @@ def _decode_kernel(
         dims,
         dim_ok,
         GROUP_PAD,
+        HEAD_DIM,
         HEAD_PAD,
         BLOCK_SIZE,
         TILE,
         DOT_PRECISION,
         False,
         SOFTCAP,
+        INT8_KV,
     )
     mask = member_ok[:, None] & dim_ok[None, :]
     if PARTITIONED:
@@ -403,6 +431,7 @@ def _mixed_kernel(
     DOT_PRECISION: tl.constexpr,
     WINDOWED: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    INT8_KV: tl.constexpr,
 ):
     """Row r of a program is query token r // GROUP of its q-block, query head r % GROUP of its KV head.
     WINDOWED: the walk starts at the window start of the program's first token, and each row masks the
@@ -453,12 +482,14 @@ def _mixed_kernel(
         dims,
         dim_ok,
         BLOCK_M,
+        HEAD_DIM,
         HEAD_PAD,
         BLOCK_SIZE,
         TILE,
         DOT_PRECISION,
         WINDOWED,
         SOFTCAP,
+        INT8_KV,
     )
     out = acc / tl.where(sums > 0, sums, 1.0)[:, None]
     ptrs = out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]

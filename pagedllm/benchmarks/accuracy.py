@@ -21,6 +21,10 @@ The oracle of a reduced precision (issue 25): pagedllm's mean KL at most `KL_RAT
 `TOP1_SLACK` unless the gap is within noise: positions where only pagedllm misses minus positions where only
 the peer misses, at most `TOP1_Z` standard errors of that paired difference (McNemar). A top-1 miss is mostly
 a near-tie flipped by rounding, so on a few hundred positions half a point is two or three coin flips.
+
+An int8 KV cache (`kv_cache_dtype="int8"`) is judged against its `base`, the same configuration with the
+model-dtype cache: its perplexity at most `BASE_PERPLEXITY_RATIO` times the base's (issue 26: int8 KV adds
+under 0.5% perplexity).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ TEXT = Path(__file__).with_name("data") / "accuracy_text.txt"
 KL_RATIO = 1.1
 TOP1_SLACK = 0.005
 TOP1_Z = 2.0
+BASE_PERPLEXITY_RATIO = 1.005
 REFERENCE = "transformers-float32"
 _BLOCK_SIZE = next(f.default for f in fields(EngineConfig) if f.name == "block_size")
 
@@ -53,13 +58,15 @@ _BLOCK_SIZE = next(f.default for f in fields(EngineConfig) if f.name == "block_s
 @dataclass(frozen=True, slots=True)
 class Configuration:
     """One path to measure: an engine, a dtype and, for pagedllm, any further engine options; `peer`, the
-    configuration whose distance from float32 this one's must not exceed (the oracle), where there is one."""
+    configuration whose distance from float32 this one's must not exceed (the oracle), where there is one;
+    `base`, the configuration this one differs from in its KV cache only, whose perplexity bounds its own."""
 
     name: str
     engine: str  # "pagedllm" or "transformers"
     dtype: torch.dtype
     options: dict[str, object] = field(default_factory=dict)
     peer: str | None = None
+    base: str | None = None
 
 
 CONFIGURATIONS = {
@@ -75,6 +82,16 @@ CONFIGURATIONS = {
         # `llama-perplexity --kl-divergence`), outside this command.
         Configuration("pagedllm-int8-bfloat16", "pagedllm", torch.bfloat16, {"quantization": "int8"}),
         Configuration("pagedllm-int4-bfloat16", "pagedllm", torch.bfloat16, {"quantization": "int4"}),
+        Configuration(
+            "pagedllm-kv-int8-float32", "pagedllm", torch.float32, {"kv_cache_dtype": "int8"}, base="pagedllm-float32"
+        ),
+        Configuration(
+            "pagedllm-kv-int8-bfloat16",
+            "pagedllm",
+            torch.bfloat16,
+            {"kv_cache_dtype": "int8"},
+            base="pagedllm-bfloat16",
+        ),
         Configuration("transformers-bfloat16", "transformers", torch.bfloat16),
         Configuration(REFERENCE, "transformers", torch.float32),
     )
@@ -133,6 +150,19 @@ class Verdict:
     def passed(self) -> bool:
         top1 = self.top1_difference >= -TOP1_SLACK or self.top1_z <= TOP1_Z
         return self.kl_ratio <= KL_RATIO and top1
+
+
+@dataclass(frozen=True, slots=True)
+class BaseVerdict:
+    """A KV-cache variant's perplexity against its base configuration's."""
+
+    config: str
+    base: str
+    perplexity_ratio: float
+
+    @property
+    def passed(self) -> bool:
+        return self.perplexity_ratio <= BASE_PERPLEXITY_RATIO
 
 
 def load_text(tokenizer, path: Path, width: int, max_windows: int | None) -> Text:
@@ -250,6 +280,18 @@ def verdicts(rows: list[Row]) -> list[Verdict]:
     return found
 
 
+def base_verdicts(rows: list[Row]) -> list[BaseVerdict]:
+    """Each row whose configuration has a base judged against the base's row, where both ran."""
+    by_name = {row.config: row for row in rows}
+    found = []
+    for row in rows:
+        config = CONFIGURATIONS.get(row.config)
+        base = by_name.get(config.base) if config is not None and config.base is not None else None
+        if base is not None:
+            found.append(BaseVerdict(row.config, base.config, row.perplexity / base.perplexity))
+    return found
+
+
 def run_accuracy(model: str | Path | None, names: list[str], text: Text) -> list[Row]:
     """The reference row first, then one row per configuration, in the order asked. `transformers` reads
     the model's folder (a GGUF file's weights dequantized to float32)."""
@@ -309,14 +351,20 @@ def run_bench_accuracy(args: argparse.Namespace) -> int:
 
     text = load_text(AutoTokenizer.from_pretrained(folder), args.text, args.window, args.max_windows)
     rows = run_accuracy(args.model, names, text)
-    found = verdicts(rows)
+    found, against_base = verdicts(rows), base_verdicts(rows)
     print(format_table(rows, found, text, args.threads))
+    for b in against_base:
+        print(
+            f"{b.config} vs {b.base}: perplexity {100 * (b.perplexity_ratio - 1):+.3f}% (at most "
+            f"{100 * (BASE_PERPLEXITY_RATIO - 1):+.1f}%): {'within' if b.passed else 'OUTSIDE'} the bound"
+        )
     if args.out is not None:
         report = {"model": str(folder), "threads": args.threads, "windows": len(text.windows), "width": text.width}
         report |= {"rows": [r.summary() for r in rows]}
         report |= {"verdicts": [asdict(v) | {"top1_z": v.top1_z, "passed": v.passed} for v in found]}
+        report |= {"base_verdicts": [asdict(b) | {"passed": b.passed} for b in against_base]}
         args.out.write_text(json.dumps(report, indent=2))
-    return 0 if all(v.passed for v in found) else 1
+    return 0 if all(v.passed for v in [*found, *against_base]) else 1
 
 
 def format_table(rows: list[Row], found: list[Verdict], text: Text, threads: int) -> str:

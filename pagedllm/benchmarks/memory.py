@@ -22,6 +22,10 @@ from each other at every step, so this is the paged allocator's worst case for b
 η at a step is the physical slots holding token state over the slots reserved; a slot shared by
 several sequences counts once (so η never exceeds 1). The report gives its mean over steps (the
 vLLM paper's Figure 2) and the peak number of requests held at once.
+
+Slots are also counted in bytes: those of one token's K and V in every layer of `--model` (default: the
+embedded one) with its KV cache in `--kv-cache-dtype` (an int8 cache's scales included). `--kv-memory`
+gives the budget in bytes instead of slots, so the same memory holds about twice the slots in int8.
 """
 
 from __future__ import annotations
@@ -33,8 +37,22 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 
 from pagedllm.benchmarks.workloads import WORKLOADS, Workload, make_workload
-from pagedllm.domains import NON_NEGATIVE_INTS, POSITIVE_INTS, SEEDS, Choices, CommaLists, FolderPaths
+from pagedllm.config import KV_CACHE_DTYPES, EngineConfig
+from pagedllm.domains import (
+    INT64_MAX,
+    NON_NEGATIVE_INTS,
+    POSITIVE_INTS,
+    SEEDS,
+    Choices,
+    CommaLists,
+    ExistingPaths,
+    FolderPaths,
+    Integers,
+)
 from pagedllm.kv.kv_cache_manager import BlockPair, KVCacheManager
+from pagedllm.models.config import ModelConfig
+from pagedllm.models.loader import resolve_model_folder
+from pagedllm.worker.group import pool_size
 
 # Token ids only decide which prefixes are equal; the lengths are what the replay measures.
 VOCAB_SIZE = 49152
@@ -208,6 +226,12 @@ def _stored_slots(kv: KVCacheManager, lengths: dict[int, int]) -> int:
     return kv.pool.num_used * kv.block_size - sum(empty.values())
 
 
+def bytes_per_slot(model: str | None, kv_cache_dtype: str) -> int:
+    """Bytes of one token's K and V in every layer of `model`'s KV pool, as the engine sizes it."""
+    config = EngineConfig(model=model, kv_cache_dtype=kv_cache_dtype, block_size=1, num_kv_blocks=1)
+    return pool_size(config, ModelConfig.from_folder(resolve_model_folder(model))).bytes_per_block
+
+
 def run_all(
     trace: list[TraceRequest], budget: int, max_model_len: int, block_sizes: list[int], sliding_window: int = 0
 ) -> list[MemoryResult]:
@@ -219,6 +243,19 @@ def add_bench_memory_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", default="synthetic", **Choices(WORKLOADS).flag_kwargs())
     parser.add_argument("--num-prompts", default=256, **POSITIVE_INTS.flag_kwargs())
     parser.add_argument("--budget", default=32768, help="KV memory in token slots", **POSITIVE_INTS.flag_kwargs())
+    parser.add_argument(
+        "--kv-memory",
+        default=None,
+        help="KV memory in bytes (instead of --budget): the slots it holds of --model in --kv-cache-dtype",
+        **Integers(1, INT64_MAX).flag_kwargs(),
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="whose KV bytes a slot holds (default: the embedded SmolLM2-135M)",
+        **ExistingPaths().flag_kwargs(),
+    )
+    parser.add_argument("--kv-cache-dtype", default="auto", **Choices(KV_CACHE_DTYPES).flag_kwargs())
     parser.add_argument("--max-model-len", default=2048, **POSITIVE_INTS.flag_kwargs())
     parser.add_argument(
         "--block-sizes",
@@ -239,31 +276,41 @@ def add_bench_memory_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_bench_memory(args: argparse.Namespace) -> int:
+    slot_bytes = bytes_per_slot(args.model, args.kv_cache_dtype)
+    if args.kv_memory is not None:
+        args.budget = args.kv_memory // slot_bytes
     workload = make_workload(args.workload, args.num_prompts, VOCAB_SIZE, args.max_model_len, args.seed)
     trace = trace_from_workload(workload, args.max_model_len)
     results = run_all(trace, args.budget, args.max_model_len, list(args.block_sizes), args.sliding_window)
     samples = f" x {trace[0].n} samples" if trace and trace[0].n > 1 else ""
-    limits = f"budget {args.budget} token slots, max_model_len {args.max_model_len}"
+    limits = f"budget {args.budget} token slots ({_mib(args.budget * slot_bytes)}), max_model_len {args.max_model_len}"
     print(f"{args.workload}: {len(trace)} requests{samples}, {limits}")
-    print(format_table(results))
+    print(f"KV cache {args.kv_cache_dtype}: {slot_bytes} bytes per token slot")
+    print(format_table(results, slot_bytes))
     if args.out is not None:
-        write_outputs(args, len(trace), results)
+        write_outputs(args, len(trace), results, slot_bytes)
     return 0
 
 
-def format_table(results: list[MemoryResult]) -> str:
-    lines = [f"{'allocator':<12} {'mean η':>7} {'peak concurrency':>17} {'steps':>6}"]
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / (1 << 20):.1f} MiB"
+
+
+def format_table(results: list[MemoryResult], slot_bytes: int) -> str:
+    lines = [f"{'allocator':<12} {'mean η':>7} {'peak concurrency':>17} {'peak reserved':>14} {'steps':>6}"]
     for r in results:
-        lines.append(f"{r.allocator:<12} {r.mean_utilization:>7.1%} {r.peak_concurrency:>17} {r.steps:>6}")
+        peak = _mib(max(r.reserved) * slot_bytes)
+        lines.append(f"{r.allocator:<12} {r.mean_utilization:>7.1%} {r.peak_concurrency:>17} {peak:>14} {r.steps:>6}")
     return "\n".join(lines)
 
 
-def write_outputs(args: argparse.Namespace, num_requests: int, results: list[MemoryResult]) -> None:
+def write_outputs(args: argparse.Namespace, num_requests: int, results: list[MemoryResult], slot_bytes: int) -> None:
     # Imported here: matplotlib costs a noticeable part of the CLI's start, and only --out needs it.
     from pagedllm.benchmarks.plots import plot_memory
 
     args.out.mkdir(parents=True, exist_ok=True)
     run = {"workload": args.workload, "num_requests": num_requests, "budget": args.budget}
     run |= {"max_model_len": args.max_model_len, "seed": args.seed}
+    run |= {"kv_cache_dtype": args.kv_cache_dtype, "bytes_per_slot": slot_bytes}
     (args.out / "memory.json").write_text(json.dumps(run | {"results": [r.to_json() for r in results]}) + "\n")
     plot_memory(results, args.out)

@@ -19,6 +19,9 @@
  *    and accumulates in float32, so Q.K is exact up to float32 accumulation; probabilities are rounded
  *    to bf16 for P.V (as torch's own CPU flash attention does). See the section for the data layouts.
  *  - portable C, for float32 and for machines without AVX512-BF16: the same online softmax on floats.
+ *    It also reads int8 caches (pagedllm.attention.kv_quant): each (position, KV head) row is head_dim
+ *    int8 values followed by their float32 scale, dequantized into the chunk's float rows, with float32
+ *    or bf16 queries.
  * Both are compiled wherever the compiler can, so the tests run both on an AVX512-BF16 machine.
  *
  * Two per-layer options, as Hugging Face computes them (Mistral and Gemma sliding windows, Gemma 2's
@@ -67,6 +70,7 @@ typedef struct {
     void *out;
     const int32_t *block_tables, *seq_lens, *query_start_loc;
     int64_t table_stride, num_heads, num_kv_heads, head_dim, block_size;
+    int64_t row_stride; /* cache elements per (position, KV head) row: head_dim, + 4 in an int8 cache */
     float scale_log2e; /* softmax in base 2: exp(x * scale) = exp2(x * scale * log2 e) */
     int64_t window;        /* 0: no sliding window */
     float cap_in, cap_out; /* soft-capping (mode CAPPED): logit (base 2) = tanh(dot * cap_in) * cap_out */
@@ -149,7 +153,7 @@ typedef struct {
 /* From position `start`, a multiple of the block size. */
 static inline Cursor cursor_start(const Batch *b, const Item *it, int64_t start) {
     return (Cursor){b->block_tables + it->seq * b->table_stride, start, b->seq_lens[it->seq], start / b->block_size,
-                    0, b->block_size, b->num_kv_heads * b->head_dim};
+                    0, b->block_size, b->num_kv_heads * b->row_stride};
 }
 
 /* The offsets (in elements) of the next CHUNK positions' rows (KV head 0), or -1 past the end. */
@@ -299,12 +303,12 @@ static inline __attribute__((always_inline)) void portable_row_chunk(const float
  * float32 K/V inside one block is read in place; anything else (bf16, or a chunk across blocks) is
  * first copied into float rows. A constant head_dim (64, 128) lets the compiler unroll; `mode` is a
  * constant too (PLAIN, WINDOWED or CAPPED). */
-#define DEFINE_PORTABLE_ITEM(NAME, T, TO_FLOAT, FROM_FLOAT)                                                   \
+#define DEFINE_PORTABLE_ITEM(NAME, T, TO_FLOAT, FROM_FLOAT, C, LOAD_ROW)                                      \
     static inline __attribute__((always_inline)) void NAME##_at(const Batch *b, const Item *it,               \
                                                                  int64_t head_dim, int mode) {                \
-        const T *k_cache = (const T *)b->k_cache, *v_cache = (const T *)b->v_cache;                           \
+        const C *k_cache = (const C *)b->k_cache, *v_cache = (const C *)b->v_cache;                           \
         const int64_t rows = item_rows(b, it), per_kv = rows_per_kv_head(b, it);                              \
-        const int in_place = sizeof(T) == sizeof(float) && b->block_size % CHUNK == 0;                        \
+        const int in_place = sizeof(C) == sizeof(float) && b->block_size % CHUNK == 0;                        \
         float q[MAX_ITEM_ROWS * MAX_HEAD_DIM], o[MAX_ITEM_ROWS * MAX_HEAD_DIM], m[MAX_ITEM_ROWS];             \
         float l[MAX_ITEM_ROWS], key_rows[CHUNK * MAX_HEAD_DIM], value_rows[CHUNK * MAX_HEAD_DIM];             \
         int64_t position[MAX_ITEM_ROWS], offsets[CHUNK], next[CHUNK], after_next[CHUNK];                      \
@@ -332,9 +336,9 @@ static inline __attribute__((always_inline)) void portable_row_chunk(const float
             memcpy(next, after_next, sizeof next);                                                            \
             cursor_next(&cursor, after_next);                                                                 \
             for (int64_t kv = 0; kv < it->kv_end - it->kv_begin; kv++) {                                      \
-                const int64_t kv_offset = (it->kv_begin + kv) * head_dim;                                     \
-                prefetch_rows(b, next, kv_offset, sizeof(T));                                                 \
-                prefetch_rows(b, after_next, kv_offset, sizeof(T));                                           \
+                const int64_t kv_offset = (it->kv_begin + kv) * b->row_stride;                                \
+                prefetch_rows(b, next, kv_offset, sizeof(C));                                                 \
+                prefetch_rows(b, after_next, kv_offset, sizeof(C));                                           \
                 const float *keys = key_rows, *values = value_rows;                                           \
                 int64_t stride = head_dim;                                                                    \
                 if (in_place) {                                                                               \
@@ -343,10 +347,8 @@ static inline __attribute__((always_inline)) void portable_row_chunk(const float
                     stride = b->num_kv_heads * head_dim;                                                      \
                 } else {                                                                                      \
                     for (int64_t p = 0; p < CHUNK && offsets[p] >= 0; p++) {                                  \
-                        for (int64_t d = 0; d < head_dim; d++) {                                              \
-                            key_rows[p * head_dim + d] = TO_FLOAT(k_cache[offsets[p] + kv_offset + d]);       \
-                            value_rows[p * head_dim + d] = TO_FLOAT(v_cache[offsets[p] + kv_offset + d]);     \
-                        }                                                                                     \
+                        LOAD_ROW(k_cache + offsets[p] + kv_offset, key_rows + p * head_dim, head_dim);        \
+                        LOAD_ROW(v_cache + offsets[p] + kv_offset, value_rows + p * head_dim, head_dim);      \
                     }                                                                                         \
                 }                                                                                             \
                 for (int64_t r = kv * per_kv; r < (kv + 1) * per_kv; r++) {                                   \
@@ -397,8 +399,28 @@ static inline __attribute__((always_inline)) void portable_row_chunk(const float
 
 static inline float f32_identity(float x) { return x; }
 
-DEFINE_PORTABLE_ITEM(portable_item_f32, float, f32_identity, f32_identity)
-DEFINE_PORTABLE_ITEM(portable_item_bf16, uint16_t, bf16_to_float, float_to_bf16)
+/* One cache row of `n` values into floats. */
+static inline void load_f32_row(const float *row, float *restrict out, int64_t n) {
+    memcpy(out, row, sizeof(float) * n);
+}
+
+static inline void load_bf16_row(const uint16_t *row, float *restrict out, int64_t n) {
+#pragma omp simd
+    for (int64_t d = 0; d < n; d++) out[d] = bf16_to_float(row[d]);
+}
+
+/* An int8 row: n values, then their float32 scale (unaligned in general: memcpy reads it). */
+static inline void load_int8_row(const int8_t *row, float *restrict out, int64_t n) {
+    float scale;
+    memcpy(&scale, row + n, sizeof scale);
+#pragma omp simd
+    for (int64_t d = 0; d < n; d++) out[d] = scale * (float)row[d];
+}
+
+DEFINE_PORTABLE_ITEM(portable_item_f32, float, f32_identity, f32_identity, float, load_f32_row)
+DEFINE_PORTABLE_ITEM(portable_item_bf16, uint16_t, bf16_to_float, float_to_bf16, uint16_t, load_bf16_row)
+DEFINE_PORTABLE_ITEM(portable_item_f32_int8kv, float, f32_identity, f32_identity, int8_t, load_int8_row)
+DEFINE_PORTABLE_ITEM(portable_item_bf16_int8kv, uint16_t, bf16_to_float, float_to_bf16, int8_t, load_int8_row)
 
 /* ---------------------------------------------------------------------------------------------- */
 /* AVX512-BF16                                                                                      */
@@ -787,10 +809,10 @@ static void fast_item_capped(const Batch *b, const Item *it) {
 /* Entry points                                                                                     */
 
 /* `query`/`out` [tokens, num_heads, head_dim] contiguous; caches [blocks, block_size, num_kv_heads,
- * head_dim] contiguous; `block_tables` int32 rows of `table_stride`; `seq_lens` int32 [num_seqs];
+ * head_dim + ROW_PAD] contiguous (ROW_PAD: the 4 bytes of an int8 row's scale, else 0); `block_tables` int32 rows of `table_stride`; `seq_lens` int32 [num_seqs];
  * `query_start_loc` int32 [num_seqs + 1]. Sequences with no query tokens are skipped. `window` > 0 is a
  * sliding window of that many positions, `softcap` > 0 caps the scaled logits (0: neither). */
-#define DEFINE_ENTRY(NAME, ITEM_FN)                                                                             \
+#define DEFINE_ENTRY(NAME, ITEM_FN, ROW_PAD)                                                                    \
     void NAME(const void *query, const void *k_cache, const void *v_cache, const int32_t *block_tables,         \
               int64_t table_stride, const int32_t *seq_lens, const int32_t *query_start_loc, void *out,         \
               int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,  \
@@ -808,6 +830,7 @@ static void fast_item_capped(const Batch *b, const Item *it) {
                          num_kv_heads,                                                                          \
                          head_dim,                                                                              \
                          block_size,                                                                            \
+                         head_dim + (ROW_PAD),                                                                  \
                          scale * LOG2E,                                                                         \
                          window > 0 ? window : 0,                                                               \
                          capped ? scale / softcap : 0.f,                                                        \
@@ -815,8 +838,10 @@ static void fast_item_capped(const Batch *b, const Item *it) {
         run_items(&b, num_seqs, capped ? ITEM_FN##_capped : window > 0 ? ITEM_FN##_windowed : ITEM_FN);         \
     }
 
-DEFINE_ENTRY(paged_attention_f32_portable, portable_item_f32)
-DEFINE_ENTRY(paged_attention_bf16_portable, portable_item_bf16)
+DEFINE_ENTRY(paged_attention_f32_portable, portable_item_f32, 0)
+DEFINE_ENTRY(paged_attention_bf16_portable, portable_item_bf16, 0)
+DEFINE_ENTRY(paged_attention_f32_int8kv_portable, portable_item_f32_int8kv, 4)
+DEFINE_ENTRY(paged_attention_bf16_int8kv_portable, portable_item_bf16_int8kv, 4)
 #ifdef FAST
-DEFINE_ENTRY(paged_attention_bf16_avx512, fast_item)
+DEFINE_ENTRY(paged_attention_bf16_avx512, fast_item, 0)
 #endif

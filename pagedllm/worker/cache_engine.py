@@ -1,4 +1,6 @@
-"""The KV tensors: one (K, V) pair per layer, `[num_blocks, block_size, num_kv_heads, head_dim]` each."""
+"""The KV tensors: one (K, V) pair per layer, `[num_blocks, block_size, num_kv_heads, head_dim]` each, or in
+an int8 cache `[..., head_dim + 4]` (each row's float32 scale after its values: `attention.kv_quant`), so
+that swaps and copy-on-write move a block's scales with it."""
 
 from __future__ import annotations
 
@@ -7,6 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.attention import kv_quant
+
+KV_CACHE_DTYPES = {"int8": torch.int8}  # besides "auto", the model's dtype
+
 
 @dataclass(frozen=True, slots=True)
 class KVShape:
@@ -14,12 +20,24 @@ class KVShape:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # of the cache tensors: the model's, or torch.int8
+
+    @classmethod
+    def of(
+        cls, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, model_dtype: torch.dtype, kv_dtype: str
+    ) -> KVShape:
+        """The shape of a model's cache in `kv_dtype`: "auto" (the model's dtype) or a key of KV_CACHE_DTYPES."""
+        return cls(num_layers, num_kv_heads, head_dim, block_size, KV_CACHE_DTYPES.get(kv_dtype, model_dtype))
+
+    @property
+    def row_width(self) -> int:
+        """Elements of one (slot, KV head) row: the head dim, and an int8 row's scale bytes."""
+        return self.head_dim + (kv_quant.SCALE_BYTES if self.dtype == torch.int8 else 0)
 
     @property
     def bytes_per_block(self) -> int:
         element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.row_width * element
 
     def blocks_for_memory(self, num_bytes: int) -> int:
         return num_bytes // self.bytes_per_block
@@ -34,7 +52,7 @@ class CacheEngine:
     ) -> None:
         self.shape = shape
         self.num_blocks = num_blocks
-        dims = (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
+        dims = (num_blocks, shape.block_size, shape.num_kv_heads, shape.row_width)
         cpu_dims = (num_cpu_blocks, *dims[1:])
         self.cpu_caches = (
             [

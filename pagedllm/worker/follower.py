@@ -24,7 +24,9 @@ def main(argv: list[str]) -> int:
     dtype = resolve_dtype(spec.dtype)
     loaded = load_model(spec.model, dtype, spec.device, shard)
     model = loaded.model
-    shape = KVShape(model.num_layers, model.num_kv_heads, model.head_dim, spec.block_size, dtype)
+    shape = KVShape.of(
+        model.num_layers, model.num_kv_heads, model.head_dim, spec.block_size, dtype, spec.kv_cache_dtype
+    )
     worker = Worker(model, shape, spec.num_blocks, spec.num_cpu_blocks, spec.device, frozenset())
     try:
         worker.follow()

@@ -29,22 +29,24 @@ class PoolSize:
 
     num_blocks: int
     num_cpu_blocks: int
+    bytes_per_block: int  # of a whole block, every rank's KV heads together (scales included)
 
 
 def pool_size(config: EngineConfig, model_config: ModelConfig) -> PoolSize:
     """From the options and the model's shape alone, so that every node computes the same pool."""
-    shape = KVShape(
+    shape = KVShape.of(
         model_config.num_hidden_layers,
         model_config.num_key_value_heads,
         model_config.head_dim,
         config.block_size,
         config.torch_dtype,
+        config.kv_cache_dtype,
     )
     num_blocks = config.num_kv_blocks or shape.blocks_for_memory(config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY)
     if num_blocks < 1:
         raise ValueError(f"kv_cache_memory is too small for one block of {shape.bytes_per_block} bytes")
     swap_bytes = int(config.swap_space * (1 << 30)) if config.preemption_mode == "swap" else 0
-    return PoolSize(num_blocks, shape.blocks_for_memory(swap_bytes))
+    return PoolSize(num_blocks, shape.blocks_for_memory(swap_bytes), shape.bytes_per_block)
 
 
 def follower_specs(config: EngineConfig, folder: Path, pool: PoolSize, port: int) -> list[FollowerSpec]:
@@ -57,6 +59,7 @@ def follower_specs(config: EngineConfig, folder: Path, pool: PoolSize, port: int
         FollowerSpec(
             model=str(folder),
             dtype=str(config.torch_dtype).removeprefix("torch."),
+            kv_cache_dtype=config.kv_cache_dtype,
             device=config.device,
             block_size=config.block_size,
             num_blocks=pool.num_blocks,

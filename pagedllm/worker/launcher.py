@@ -23,6 +23,7 @@ class FollowerSpec:
 
     model: str | None
     dtype: str
+    kv_cache_dtype: str
     device: str
     block_size: int
     num_blocks: int

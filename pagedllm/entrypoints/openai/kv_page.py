@@ -244,6 +244,7 @@ def encode_frame(snapshot: KVSnapshot) -> str:
             "time": snapshot.time,
             "block_size": snapshot.block_size,
             "num_blocks": snapshot.num_blocks,
+            "bytes_per_block": snapshot.bytes_per_block,
             "kv_utilization": snapshot.kv_utilization,
             "num_cpu_blocks": snapshot.num_cpu_blocks,
             "swapped_out_blocks": snapshot.swapped_out_blocks,

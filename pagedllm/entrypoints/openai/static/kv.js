@@ -117,7 +117,22 @@ function drawTotals(frame) {
   $("kv-swapped").textContent = frame.swapped_out_blocks;
   $("kv-eta").textContent = frame.kv_utilization.toFixed(3);
   $("kv-step").textContent = frame.step;
-  $("kv-block-size").textContent = `(${frame.num_blocks} blocks of ${frame.block_size} tokens)`;
+  const poolBytes = frame.num_blocks * frame.bytes_per_block;
+  $("kv-block-size").textContent =
+    `(${frame.num_blocks} blocks of ${frame.block_size} tokens, ` +
+    `${formatBytes(frame.bytes_per_block)} each: ${formatBytes(poolBytes)})`;
+}
+
+// Bytes in binary units, as the pool's size is given (kv_cache_memory).
+function formatBytes(bytes) {
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let value = bytes;
+  let unit = 0;
+  while (value >= 1024 && unit < units.length - 1) {
+    value /= 1024;
+    unit++;
+  }
+  return `${unit ? value.toFixed(1) : value} ${units[unit]}`;
 }
 
 function drawSequences(frame) {
