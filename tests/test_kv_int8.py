@@ -277,3 +277,14 @@ def test_int8_kv_stays_close_to_float_and_a_corrupt_cache_does_not(tiny_llama, m
     monkeypatch.setattr(kv_quant, "quantize", off_by_five_percent)
     corrupt = kl_from_float32(tiny_llama, {"kv_cache_dtype": "int8"})
     assert float(corrupt.mean()) > MEAN_KL_BOUND or float(corrupt.max()) > MAX_KL_BOUND
+
+
+def test_tensor_parallel_ranks_hold_their_heads_in_int8(tiny_llama, roomy):
+    """Each of two ranks holds one of the two KV heads of every int8 block, scales included."""
+    expected = token_ids(roomy.generate(PROMPTS[:3], GREEDY, use_tqdm=False))
+    llm = int8_llm(tiny_llama, tensor_parallel_size=2)
+    try:
+        assert token_ids(llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)) == expected
+        assert [report.kv_heads for report in llm.engine.worker.shard_reports()] == [1, 1]
+    finally:
+        llm.engine.shutdown()
