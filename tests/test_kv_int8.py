@@ -137,7 +137,7 @@ def test_int8_attention_in_triton():
     from tests.test_triton_attention import ON_GPU
 
     if ON_GPU:
-        pytest.skip("the GPU run lives in scripts/gpu_check.sh; this file's cases are CPU tensors")
+        pytest.skip("its cases are CPU tensors, which Triton runs only in the interpreter")
     run_case("triton", torch.float32, 16, (4, 2, 16), [SMALL_PARTITION + 9, 5, 12], [1, 1, 12])
 
 
