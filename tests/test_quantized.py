@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from pagedllm import LLM, SamplingParams, native
 from pagedllm.config import EngineConfig
 from pagedllm.models import quantized
-from pagedllm.models.gguf import gguf_to_hf_folder
+from pagedllm.models.gguf import gguf_to_hf_folder, quantized_weights
 from pagedllm.models.quantized import BF16_ROWS, FEW_ROWS, QuantizedEmbedding, QuantizedLinear, QuantizedWeight, matmul
 from tests.reference import compare_greedy, reference_greedy
 from tests.test_gguf_families import FAMILIES, save_tiny_family, write_gguf
@@ -133,11 +133,13 @@ def test_a_nan_scale_is_refused_naming_where() -> None:
 # --- whole models ---------------------------------------------------------------------------------
 
 # Each family once, as llama-quantize would write it; a second type on attn_v and ffn_down makes fused
-# q/k/v and the MLP hold parts of different types, as a Q4_K_M file's layers do.
+# q/k/v and the MLP hold parts of different types, as a Q4_K_M file's layers do. Gemma's attn_k is of a type
+# without a kernel: its fused q/k/v stays a plain layer, whose q and v the loader dequantizes from the blocks
+# it holds (the lean folder has no copy of them).
 QUANTIZED_FAMILIES = {
     "llama-q4_0": dataclasses.replace(FAMILIES["llama"], quant={"attn_v": Q.Q8_0, "": Q.Q4_0}),
     "qwen2-q8_0": dataclasses.replace(FAMILIES["qwen2"], f16=False, quant={"": Q.Q8_0}),
-    "gemma2-q4_1": dataclasses.replace(FAMILIES["gemma2"], quant={"ffn_down": Q.Q8_0, "": Q.Q4_1}),
+    "gemma2-q4_1": dataclasses.replace(FAMILIES["gemma2"], quant={"ffn_down": Q.Q8_0, "attn_k": Q.Q5_0, "": Q.Q4_1}),
     "phi3-q4_0": dataclasses.replace(FAMILIES["phi3"], quant={"": Q.Q4_0}),
 }
 
@@ -151,20 +153,41 @@ def quantized_file(request, tmp_path_factory) -> tuple[Path, Path]:
     return path, gguf_to_hf_folder(path, cache_dir=root / "cache")
 
 
+def _plain_qkv(path: Path) -> bool:
+    return any(
+        not quantized.holds_quantized(kind)
+        for kind in QUANTIZED_FAMILIES[path.stem.removeprefix("tiny-")].quant.values()
+    )
+
+
 def test_greedy_float32_on_quantized_weights_equals_transformers(quantized_file, monkeypatch) -> None:
     """The oracle: `transformers` on the GGUF's weights dequantized to float32 (the converted folder)."""
     path, folder = quantized_file
-    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(folder.parent.parent))  # reuse the conversion
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(folder.parent.parent))
     llm = LLM(model=path, dtype="float32", num_kv_blocks=64)
     model = llm.engine.loaded.model
     linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-    assert len(linears) == 4 * len(model.layers) + 1  # qkv, o, gate_up, down per layer; the LM head
+    per_layer = 3 if _plain_qkv(path) else 4  # qkv, o, gate_up, down; the LM head
+    assert len(linears) == per_layer * len(model.layers) + 1
     assert isinstance(model.embed_tokens, QuantizedEmbedding)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 380) for _ in range(n)] for n in (1, 9, 40)]
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     comparison = compare_greedy(outputs, reference_greedy(folder, prompts, 12))
     assert comparison.exact == len(prompts), comparison
+
+
+def test_the_quantized_path_reads_a_folder_without_the_quantized_tensors(quantized_file, monkeypatch) -> None:
+    path, folder = quantized_file
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(folder.parent.parent))
+    llm = LLM(model=path, dtype="float32", num_kv_blocks=64)
+    lean = llm.engine.loaded.folder
+    assert lean != folder
+    held = set(quantized_weights(path))
+    whole, kept = load_file(folder / "model.safetensors"), load_file(lean / "model.safetensors")
+    assert held and held <= set(whole) and not held & set(kept)
+    assert set(kept) == set(whole) - held  # everything else, as the whole folder has it
+    assert all(torch.equal(kept[name], whole[name]) for name in kept)
 
 
 def test_dequantize_keeps_the_plain_layers(quantized_file, monkeypatch) -> None:

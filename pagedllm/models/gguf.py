@@ -126,28 +126,32 @@ _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 def quantized_weights(gguf_path: Path) -> dict[str, QuantizedWeight]:
     """The 2-D tensors of `gguf_path` that stay quantized in memory (`quantized.holds_quantized`), by the
-    parameter names of the converted folder's checkpoint, their rows in that checkpoint's order."""
+    parameter names of the converted folder's checkpoint, their rows in that checkpoint's order: what the
+    lean folder (`gguf_to_hf_folder(..., lean=True)`) leaves out."""
     gguf = GGUFFile(gguf_path)
     family = _family(gguf)
     return _WeightPlan(gguf, family, hf_config(gguf, family)).quantized()
 
 
-def conversion_key(gguf_path: Path) -> str:
-    """Short hash of the file's identity; cheap (no file contents are read)."""
+def conversion_key(gguf_path: Path, lean: bool = False) -> str:
+    """Short hash of the file's identity and of the folder's kind; cheap (no file contents are read)."""
     path = gguf_path.resolve()
     stat = path.stat()
-    identity = f"{CONVERTER_VERSION}\0{path}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    identity = f"{CONVERTER_VERSION}\0{path}\0{stat.st_size}\0{stat.st_mtime_ns}" + ("\0lean" if lean else "")
     return hashlib.sha256(identity.encode()).hexdigest()[:16]
 
 
-def gguf_to_hf_folder(gguf_path: StrPath, cache_dir: StrPath | None = None) -> Path:
-    """Hugging Face model folder for `gguf_path`, converting it on the first call only."""
+def gguf_to_hf_folder(gguf_path: StrPath, cache_dir: StrPath | None = None, lean: bool = False) -> Path:
+    """Hugging Face model folder for `gguf_path`, converting it on the first call only. A `lean` folder
+    leaves out the tensors that stay quantized in memory (`quantized_weights`): the quantized path reads
+    them from the file itself, and a model's float32 copy on disk (and in memory while it is written)
+    would be four to eight times the file. Only pagedllm's loader reads a lean folder."""
     gguf_path = Path(gguf_path).resolve()
     root = (Path(cache_dir) if cache_dir is not None else cache_root()) / "gguf"
-    return cached_folder(root, conversion_key(gguf_path), lambda out_dir: _convert(gguf_path, out_dir))
+    return cached_folder(root, conversion_key(gguf_path, lean), lambda out_dir: _convert(gguf_path, out_dir, lean))
 
 
-def _convert(gguf_path: Path, out_dir: Path) -> dict[str, Any]:
+def _convert(gguf_path: Path, out_dir: Path, lean: bool) -> dict[str, Any]:
     """Write the folder's files into `out_dir`; what to record about the conversion in its manifest."""
     started = time.perf_counter()
     gguf = GGUFFile(gguf_path)
@@ -159,7 +163,7 @@ def _convert(gguf_path: Path, out_dir: Path) -> dict[str, Any]:
 
     eos_ids = _end_of_generation_ids(gguf, tokenizer)
     config.eos_token_id = _one_or_list(eos_ids)
-    tensors = plan.run()
+    tensors = plan.run(skip=plan.held_sources() if lean else frozenset())
     # "format": "pt" is what transformers expects in a safetensors header before loading it into torch.
     from safetensors.torch import save_file
 
@@ -172,6 +176,7 @@ def _convert(gguf_path: Path, out_dir: Path) -> dict[str, Any]:
         "source": str(gguf_path),
         "architecture": gguf.architecture,
         "converter_version": CONVERTER_VERSION,
+        "lean": lean,
         "seconds": round(time.perf_counter() - started, 3),
     }
 
@@ -682,16 +687,18 @@ class _WeightPlan:
         # transformers keys stacked MoE experts without the ".weight" suffix.
         return self.names.get(gguf_name) or self.names.get(gguf_name.removesuffix(".weight"))
 
-    def run(self) -> dict[str, torch.Tensor]:
-        """Every parameter as float32, under the names transformers saves checkpoints with."""
+    def run(self, skip: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+        """Every parameter but those of the GGUF tensors in `skip`, as float32, under the names transformers
+        saves checkpoints with."""
         import torch
 
         state: dict[str, torch.Tensor] = {}
         parsed = {"tensors": state}  # where transformers' MoE processors put the experts they stack
+        sources = [name for name in self.sources if name not in skip]
         # numpy releases the GIL in the bulk array work of dequantization, so threads use every core;
         # transformers' processors run here, in file order (the MoE ones fill shared tensors).
         with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:
-            for name, weights in zip(self.sources, pool.map(self.gguf.float32, self.sources), strict=True):
+            for name, weights in zip(sources, pool.map(self.gguf.float32, sources), strict=True):
                 result = self.processor.process(
                     weights=weights, name=name, tensor_key_mapping=self.names, parsed_parameters=parsed
                 )
@@ -707,20 +714,34 @@ class _WeightPlan:
         any other way is left to the dequantized folder."""
         import torch
 
-        from pagedllm.models.quantized import QuantizedWeight, holds_quantized
+        from pagedllm.models.quantized import QuantizedWeight
 
         out: dict[str, QuantizedWeight] = {}
+        for name, order in self._held_orders().items():
+            info = self.gguf.tensors[name]
+            data = torch.from_numpy(self.gguf.blocks(name))
+            weight = QuantizedWeight(info.ggml_type, data, info.shape[1]).rows(order)
+            weight.check(f"{self.gguf.path}: tensor {name!r}")
+            out[self.names[name]] = weight
+        return out
+
+    def held_sources(self) -> frozenset[str]:
+        """The GGUF names of the tensors `quantized` holds."""
+        return frozenset(self._held_orders())
+
+    def _held_orders(self) -> dict[str, torch.Tensor]:
+        """Each tensor that stays quantized, by GGUF name, with the order of its rows in the checkpoint."""
+        from pagedllm.models.quantized import holds_quantized
+
+        orders = {}
         for name in self.sources:
-            info, target = self.gguf.tensors[name], self.names.get(name)
-            if target is None or len(info.shape) != 2 or not holds_quantized(info.ggml_type):
+            info = self.gguf.tensors[name]
+            if self.names.get(name) is None or len(info.shape) != 2 or not holds_quantized(info.ggml_type):
                 continue
             order = self._row_order(name, info.shape[0])
             if order is not None:
-                data = torch.from_numpy(self.gguf.blocks(name))
-                weight = QuantizedWeight(info.ggml_type, data, info.shape[1]).rows(order)
-                weight.check(f"{self.gguf.path}: tensor {name!r}")
-                out[target] = weight
-        return out
+                orders[name] = order
+        return orders
 
     def _row_order(self, name: str, rows: int) -> torch.Tensor | None:
         """Where the processor takes each output row from, found by processing the row indices themselves;

@@ -44,14 +44,15 @@ class LoadedModel:
     folder: Path
 
 
-def resolve_model_folder(model: str | Path | None) -> Path:
-    """`None` is the embedded default; a `.gguf` file is converted once to a cached HF folder."""
+def resolve_model_folder(model: str | Path | None, lean: bool = False) -> Path:
+    """`None` is the embedded default; a `.gguf` file is converted once to a cached HF folder (`lean`: without
+    the tensors the quantized path holds, see `gguf_to_hf_folder`)."""
     from pagedllm.models.default import default_model_file
     from pagedllm.models.gguf import gguf_to_hf_folder
 
     path = default_model_file() if model is None else Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return gguf_to_hf_folder(path)
+        return gguf_to_hf_folder(path, lean=lean)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model {str(path)!r} is neither a .gguf file nor a folder with config.json")
     return path
@@ -69,7 +70,9 @@ def load_model(
     A GGUF file's quantized linear layers and embedding stay quantized (`quantized.py`) unless `dequantize`,
     or where the quantized kernels cannot go: another device, tensor parallelism. `quantization` ("int8",
     "int4") quantizes the rest of them once, here."""
-    folder = resolve_model_folder(model)
+    world_size = 1 if shard is None else shard.world_size
+    quantized_path = runs_quantized(device, world_size)
+    folder = resolve_model_folder(model, lean=quantized_path and not dequantize)
     # Unsupported architectures, missing fields and options we cannot follow exactly fail here,
     # before any weight is read.
     config = ModelConfig.from_folder(folder)
@@ -77,9 +80,9 @@ def load_model(
         logger.warning(note)
     # Parameters start as uninitialised (untouched) memory; the checkpoint's tensors replace them.
     net = CausalLM(config)
-    if device == "cpu" and (shard is None or shard.world_size == 1):
-        _quantize_modules(net, _held_quantized(model, folder, net, dequantize, quantization), dtype)
-    net.load_state_dict(read_state_dict(folder, net, dtype), assign=True)
+    held = _held_quantized(model, folder, net, dequantize, quantization) if quantized_path else {}
+    _quantize_modules(net, held, dtype)
+    net.load_state_dict(read_state_dict(folder, net, dtype, held), assign=True)
     if config.tie_word_embeddings and isinstance(net.embed_tokens, Embedding):
         net.lm_head.weight = net.embed_tokens.weight
     if shard is not None and shard.world_size > 1:
@@ -88,6 +91,11 @@ def load_model(
     net = net.to(device).eval().requires_grad_(False)
     net.prepack()
     return LoadedModel(net, config, tokenizer, folder)
+
+
+def runs_quantized(device: str, world_size: int) -> bool:
+    """Whether quantized weights stay quantized: the kernels are CPU ones, for a whole (unsharded) model."""
+    return device == "cpu" and world_size == 1
 
 
 def _held_quantized(
@@ -146,9 +154,12 @@ def _quantize_modules(net: CausalLM, weights: Mapping[str, QuantizedWeight], dty
         net.embed_tokens = QuantizedEmbedding(embedding, dtype, net.embed_tokens.scale)
 
 
-def read_state_dict(folder: Path, net: CausalLM, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every parameter of `net` from the checkpoint in `folder`, in `dtype`."""
-    raw = Checkpoint(folder)
+def read_state_dict(
+    folder: Path, net: CausalLM, dtype: torch.dtype, held: Mapping[str, QuantizedWeight] | None = None
+) -> dict[str, torch.Tensor]:
+    """Every parameter of `net` from the checkpoint in `folder`, in `dtype`; a tensor a lean folder lacks is
+    dequantized from `held` (a fused layer whose other parts have no quantized kernel needs it whole)."""
+    raw = WithHeld(Checkpoint(folder), held or {})
     names = list(net.state_dict(keep_vars=True))
     out: dict[str, torch.Tensor] = {}
     moe = net.config.moe
@@ -188,6 +199,28 @@ def _key(raw: Container[str], name: str) -> str:
         # Tied embeddings, or a converted GGUF file without a separate output matrix.
         return "lm_head.weight" if "lm_head.weight" in raw else "model.embed_tokens.weight"
     return f"model.{name}"
+
+
+@dataclass(frozen=True)
+class WithHeld(Mapping[str, torch.Tensor]):
+    """A checkpoint's tensors, and those it lacks that are held quantized, dequantized when asked for."""
+
+    raw: Mapping[str, torch.Tensor]
+    held: Mapping[str, QuantizedWeight]
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key in self.raw or key not in self.held:
+            return self.raw[key]
+        return self.held[key].dequantize(torch.float32)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.raw or key in self.held
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(set(self.raw) | set(self.held))
+
+    def __len__(self) -> int:
+        return len(set(self.raw) | set(self.held))
 
 
 class Checkpoint(Mapping[str, torch.Tensor]):
