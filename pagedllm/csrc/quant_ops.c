@@ -61,6 +61,13 @@ static inline void expand_nibbles(const uint8_t *restrict qs, float d, float off
 #endif
 }
 
+#if defined(__AVX512F__)
+/* 16 unsigned bytes `q` (values 0..63) to d * q + offset. */
+static inline void expand_16(__m128i q, float d, float offset, float *restrict out) {
+    _mm512_storeu_ps(out, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)), _mm512_set1_ps(d), _mm512_set1_ps(offset)));
+}
+#endif
+
 static inline void expand_q4_0(const uint8_t *restrict block, float *restrict out) {
     const float d = fp16_to_float(block);
     expand_nibbles(block + 2, d, -8.f * d, out);
@@ -104,8 +111,16 @@ static inline void expand_q4_k(const uint8_t *restrict block, float *restrict ou
         scale_min_k4(2 * c, scales, &s1, &m1);
         scale_min_k4(2 * c + 1, scales, &s2, &m2);
         const float d1 = d * s1, o1 = dmin * m1, d2 = d * s2, o2 = dmin * m2;
+#if defined(__AVX512F__)
+        for (int l = 0; l < 32; l += 16) {
+            const __m128i q = _mm_loadu_si128((const __m128i *)(qs + l));
+            expand_16(_mm_and_si128(q, _mm_set1_epi8(0x0F)), d1, -o1, out + l);
+            expand_16(_mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0F)), d2, -o2, out + l + 32);
+        }
+#else
         for (int l = 0; l < 32; l++) out[l] = d1 * (float)(qs[l] & 0x0F) - o1;
         for (int l = 0; l < 32; l++) out[l + 32] = d2 * (float)(qs[l] >> 4) - o2;
+#endif
     }
 }
 
@@ -119,8 +134,20 @@ static inline void expand_q5_k(const uint8_t *restrict block, float *restrict ou
         scale_min_k4(2 * c + 1, scales, &s2, &m2);
         const float d1 = d * s1, o1 = dmin * m1, d2 = d * s2, o2 = dmin * m2;
         const int low = 2 * c, high = 2 * c + 1;
+#if defined(__AVX512F__)
+        const __m128i nibble = _mm_set1_epi8(0x0F), fifth = _mm_set1_epi8(0x10);
+        for (int l = 0; l < 32; l += 16) {
+            const __m128i q = _mm_loadu_si128((const __m128i *)(qs + l)), h = _mm_loadu_si128((const __m128i *)(qh + l));
+            /* bit `low` (`high`) of each byte moved to bit 4: 16-bit shifts, the other byte's bits masked off */
+            const __m128i h1 = _mm_and_si128(_mm_sll_epi16(_mm_srl_epi16(h, _mm_cvtsi32_si128(low)), _mm_cvtsi32_si128(4)), fifth);
+            const __m128i h2 = _mm_and_si128(_mm_sll_epi16(_mm_srl_epi16(h, _mm_cvtsi32_si128(high)), _mm_cvtsi32_si128(4)), fifth);
+            expand_16(_mm_or_si128(_mm_and_si128(q, nibble), h1), d1, -o1, out + l);
+            expand_16(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(q, 4), nibble), h2), d2, -o2, out + l + 32);
+        }
+#else
         for (int l = 0; l < 32; l++) out[l] = d1 * (float)((qs[l] & 0x0F) | (((qh[l] >> low) & 1) << 4)) - o1;
         for (int l = 0; l < 32; l++) out[l + 32] = d2 * (float)((qs[l] >> 4) | (((qh[l] >> high) & 1) << 4)) - o2;
+#endif
     }
 }
 
@@ -130,6 +157,22 @@ static inline void expand_q6_k(const uint8_t *restrict block, float *restrict ou
     const uint8_t *ql = block, *qh = block + 128;
     const int8_t *sc = (const int8_t *)(block + 192);
     for (int half = 0; half < 2; half++, ql += 64, qh += 32, sc += 8, out += 128) {
+#if defined(__AVX512F__)
+        const __m128i nibble = _mm_set1_epi8(0x0F), pair = _mm_set1_epi8(0x30);
+        for (int l = 0, is = 0; l < 32; l += 16, is++) {
+            const __m128i a = _mm_loadu_si128((const __m128i *)(ql + l));
+            const __m128i b = _mm_loadu_si128((const __m128i *)(ql + l + 32));
+            const __m128i h = _mm_loadu_si128((const __m128i *)(qh + l));
+            /* the 2-bit highs at bits 0-1, 2-3, 4-5, 6-7 of each byte, each moved to bits 4-5 */
+            const __m128i h0 = _mm_and_si128(_mm_slli_epi16(h, 4), pair), h1 = _mm_and_si128(_mm_slli_epi16(h, 2), pair);
+            const __m128i h2 = _mm_and_si128(h, pair), h3 = _mm_and_si128(_mm_srli_epi16(h, 2), pair);
+            const float d0 = d * sc[is], d1 = d * sc[is + 2], d2 = d * sc[is + 4], d3 = d * sc[is + 6];
+            expand_16(_mm_or_si128(_mm_and_si128(a, nibble), h0), d0, -32.f * d0, out + l);
+            expand_16(_mm_or_si128(_mm_and_si128(b, nibble), h1), d1, -32.f * d1, out + l + 32);
+            expand_16(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(a, 4), nibble), h2), d2, -32.f * d2, out + l + 64);
+            expand_16(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(b, 4), nibble), h3), d3, -32.f * d3, out + l + 96);
+        }
+#else
         for (int l = 0; l < 32; l++) {
             const int is = l / 16;
             out[l] = d * sc[is] * (float)(((ql[l] & 0x0F) | (((qh[l] >> 0) & 3) << 4)) - 32);
@@ -137,6 +180,7 @@ static inline void expand_q6_k(const uint8_t *restrict block, float *restrict ou
             out[l + 64] = d * sc[is + 4] * (float)(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
             out[l + 96] = d * sc[is + 6] * (float)(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
         }
+#endif
     }
 }
 
