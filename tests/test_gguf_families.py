@@ -400,13 +400,14 @@ def rewrite(source: Path, target: Path, drop_key: str | None = None, arch: str |
 
 
 def assert_fails_cleanly(path: Path, cache: Path, *patterns: str) -> None:
-    with pytest.raises(ValueError) as error:
-        gguf_to_hf_folder(path, cache_dir=cache)
-    message = str(error.value)
-    assert str(path) in message, message
-    for pattern in patterns:
-        assert pattern in message, message
-    assert list((cache / "gguf").iterdir()) == []  # nothing written
+    for lean in (False, True):  # the lean folder of the quantized path checks the file as much
+        with pytest.raises(ValueError) as error:
+            gguf_to_hf_folder(path, cache_dir=cache, lean=lean)
+        message = str(error.value)
+        assert str(path) in message, message
+        for pattern in patterns:
+            assert pattern in message, message
+        assert list((cache / "gguf").iterdir()) == []  # nothing written
 
 
 def test_truncated_tensor_data(llama_gguf: Path, tmp_path: Path) -> None:
