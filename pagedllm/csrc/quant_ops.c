@@ -13,7 +13,8 @@
  * `gemm_bf16_*` does the same for bf16 activations on CPUs with AVX512-BF16: each block is expanded once
  * per tile of BF16_TILE rows, rounded to bf16 (as a dequantized bf16 model rounds its weights) and
  * multiplied with vdpbf16ps (32 products an instruction, float32 sums). `has_bf16_gemm` says whether it
- * was built.
+ * was built. `gemm_bf16_lut_*` (Q4_0, Q4_1, Q4_K) serves the fewest rows: the 4-bit values go to bf16 through a
+ * table, exactly, and each block's sum is scaled after.
  *
  * `dequant_*` writes whole rows as float32 or bf16, for the many-row path (prefill, big batches), where
  * the caller multiplies them with torch's GEMM, and for embedding lookups.
@@ -285,6 +286,131 @@ static inline void expand_q6_k(const uint8_t *restrict block, float *restrict ou
             if (i < m) bf16_tile_##TYPE(x + i * k, k, row, blocks, y + i * n + r, n, (int)(m - i));       \
         }                                                                                                 \
     }
+
+/* Q4_0 and Q4_1 at few rows: a block's 4-bit values become bf16 through a table (exact: small integers),
+ * are multiplied as they are, and the block's float32 sum is scaled by d after: a third of the
+ * instructions of expanding d * q + offset in float32 and rounding it, and no rounding of the weights. A
+ * Q4_1 block's minimum multiplies the sum of its 32 activations, summed once per call (`xsums`). */
+#define LUT_ROWS 4
+
+static inline __m512i nibble_table(float offset) {
+    uint16_t table[32];
+    for (int j = 0; j < 32; j++) table[j] = finite_to_bf16((float)(j & 15) + offset);
+    return _mm512_loadu_si512((const void *)table);
+}
+
+static inline __m512bh nibbles_bf16(const uint8_t *qs, __m512i table) {
+    const __m128i q = _mm_loadu_si128((const __m128i *)qs), low = _mm_set1_epi8(0x0F);
+    const __m256i both = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), low), _mm_and_si128(q, low));
+    return (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(both), table);
+}
+
+/* The sums of `count` consecutive groups of QK bf16 values. */
+static void block_sums(const uint16_t *x, int64_t count, float *out) {
+    for (int64_t i = 0; i < count; i++) {
+        const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + i * QK))), 16));
+        const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + i * QK + 16))), 16));
+        out[i] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+    }
+}
+
+/* 32 4-bit values (bytes 0..31 of `q`, low or high nibbles) as bf16 through the table. */
+static inline __m512bh nibbles32_bf16(__m256i q, __m512i table) {
+    return (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm256_and_si256(q, _mm256_set1_epi8(0x0F))), table);
+}
+
+/* Q4_K's sub-blocks are Q4_1's blocks with 6-bit scales under the super-block's d and dmin: the same table. */
+static inline void lut_tile_q4_k(const uint16_t *x, int64_t k, const uint8_t *row, int64_t blocks, __m512i table,
+                                 const float *xsums, float *y, int64_t n, int mt) {
+    __m512 acc[LUT_ROWS];
+    float mins[LUT_ROWS] = {0};
+    const int64_t groups = k / QK;
+    for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = row + b * 144, *scales = block + 4, *qs = block + 16;
+        const float d = fp16_to_float(block), dmin = fp16_to_float(block + 2);
+        for (int c = 0; c < 4; c++) {
+            float s1, m1, s2, m2;
+            scale_min_k4(2 * c, scales, &s1, &m1);
+            scale_min_k4(2 * c + 1, scales, &s2, &m2);
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+            const __m512bh low = nibbles32_bf16(q, table), high = nibbles32_bf16(_mm256_srli_epi16(q, 4), table);
+            const __m512 d1 = _mm512_set1_ps(d * s1), d2 = _mm512_set1_ps(d * s2);
+            const float o1 = dmin * m1, o2 = dmin * m2;
+            for (int i = 0; i < mt; i++) {
+                const uint16_t *xb = x + i * k + b * 256 + c * 64;
+                const __m512i x1 = _mm512_loadu_si512((const void *)xb), x2 = _mm512_loadu_si512((const void *)(xb + 32));
+                acc[i] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), low, (__m512bh)x1), d1, acc[i]);
+                acc[i] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), high, (__m512bh)x2), d2, acc[i]);
+                const float *sums = xsums + i * groups + b * 8 + 2 * c;
+                mins[i] -= o1 * sums[0] + o2 * sums[1];
+            }
+        }
+    }
+    for (int i = 0; i < mt; i++) y[i * n] = _mm512_reduce_add_ps(acc[i]) + mins[i];
+}
+
+void gemm_bf16_lut_q4_k(const uint16_t *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, float *y) {
+    const int64_t blocks = k / 256, row_bytes = blocks * 144, groups = k / QK;
+    const __m512i table = nibble_table(0.f);
+    float xsums[m * groups];
+    block_sums(x, m * groups, xsums);
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t i = 0; i < m; i += LUT_ROWS) {
+            const uint8_t *row = w + r * row_bytes;
+            const float *sums = xsums + i * groups;
+            switch (m - i) {
+            case 1: lut_tile_q4_k(x + i * k, k, row, blocks, table, sums, y + i * n + r, n, 1); break;
+            case 2: lut_tile_q4_k(x + i * k, k, row, blocks, table, sums, y + i * n + r, n, 2); break;
+            case 3: lut_tile_q4_k(x + i * k, k, row, blocks, table, sums, y + i * n + r, n, 3); break;
+            default: lut_tile_q4_k(x + i * k, k, row, blocks, table, sums, y + i * n + r, n, LUT_ROWS);
+            }
+        }
+}
+
+#define DEFINE_GEMM_BF16_LUT(TYPE, BYTES, QS, OFFSET, HAS_MIN)                                            \
+    static inline void lut_tile_##TYPE(const uint16_t *x, int64_t k, const uint8_t *row, int64_t blocks,  \
+                                       __m512i table, const float *xsums, float *y, int64_t n, int mt) {  \
+        __m512 acc[LUT_ROWS];                                                                             \
+        float mins[LUT_ROWS] = {0};                                                                       \
+        for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();                                        \
+        for (int64_t b = 0; b < blocks; b++) {                                                            \
+            const uint8_t *block = row + b * (BYTES);                                                     \
+            const __m512bh wv = nibbles_bf16(block + (QS), table);                                        \
+            const __m512 dv = _mm512_set1_ps(fp16_to_float(block));                                      \
+            const float least = HAS_MIN ? fp16_to_float(block + 2) : 0.f;                                 \
+            for (int i = 0; i < mt; i++) {                                                                \
+                const __m512i xv = _mm512_loadu_si512((const void *)(x + i * k + b * QK));                \
+                acc[i] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), wv, (__m512bh)xv), dv, acc[i]); \
+                if (HAS_MIN) mins[i] += least * xsums[i * blocks + b];                                    \
+            }                                                                                             \
+        }                                                                                                 \
+        for (int i = 0; i < mt; i++) y[i * n] = _mm512_reduce_add_ps(acc[i]) + mins[i];                   \
+    }                                                                                                     \
+                                                                                                          \
+    void gemm_bf16_lut_##TYPE(const uint16_t *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, float *y) { \
+        const int64_t blocks = k / QK, row_bytes = blocks * (BYTES);                                      \
+        const __m512i table = nibble_table(OFFSET);                                                       \
+        float xsums[HAS_MIN ? m * blocks : 1];                                                            \
+        if (HAS_MIN) block_sums(x, m * blocks, xsums);                                                    \
+        _Pragma("omp parallel for schedule(static)")                                                      \
+        for (int64_t r = 0; r < n; r++)                                                                   \
+            for (int64_t i = 0; i < m; i += LUT_ROWS) {                                                   \
+                const uint8_t *row = w + r * row_bytes;                                                   \
+                const float *sums = xsums + (HAS_MIN ? i * blocks : 0);                                   \
+                /* a constant row count at each call, so that the accumulators stay in registers */      \
+                switch (m - i) {                                                                          \
+                case 1: lut_tile_##TYPE(x + i * k, k, row, blocks, table, sums, y + i * n + r, n, 1); break; \
+                case 2: lut_tile_##TYPE(x + i * k, k, row, blocks, table, sums, y + i * n + r, n, 2); break; \
+                case 3: lut_tile_##TYPE(x + i * k, k, row, blocks, table, sums, y + i * n + r, n, 3); break; \
+                default: lut_tile_##TYPE(x + i * k, k, row, blocks, table, sums, y + i * n + r, n, LUT_ROWS); \
+                }                                                                                         \
+            }                                                                                             \
+    }
+
+DEFINE_GEMM_BF16_LUT(q4_0, 18, 2, -8.f, 0)
+DEFINE_GEMM_BF16_LUT(q4_1, 20, 4, 0.f, 1)
 
 int has_bf16_gemm(void) { return 1; }
 #else

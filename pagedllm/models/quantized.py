@@ -49,6 +49,10 @@ FEW_ROWS = 8
 # Up to this many bf16 rows, where the CPU has AVX512-BF16, the blocks are multiplied as stored with bf16
 # dot products; above it the tiles below.
 BF16_ROWS = 16
+# Up to this many bf16 rows, Q4_0, Q4_1 and Q4_K blocks are multiplied through the bf16 table of their 4-bit values
+# (`gemm_bf16_lut_*`), above it as the other types.
+LUT_ROWS = 4
+_LUT_KINDS = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K}
 # A dequantized tile of a weight, on the many-row path: small enough to stay in a core's L2 cache.
 TILE_BYTES = 2 << 20
 _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -74,6 +78,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     names += [(f"dequant_{s}_{t}", dequant) for s in _KERNELS.values() for t in _SUFFIXES.values()]
     if lib.has_bf16_gemm():
         names += [(f"gemm_bf16_{s}", gemm) for s in _KERNELS.values()]
+        names += [(f"gemm_bf16_lut_{_KERNELS[kind]}", gemm) for kind in _LUT_KINDS]
     for name, argtypes in names:
         kernel = getattr(lib, name)
         kernel.argtypes = argtypes
@@ -154,7 +159,8 @@ def _bf16_product(x: torch.Tensor, weight: QuantizedWeight, lib: ctypes.CDLL) ->
     """`x @ W.T` for bf16 `x` straight from the blocks with the AVX512-BF16 kernel (float32 sums)."""
     x = x.contiguous()
     out = torch.empty(x.shape[0], weight.out_features, dtype=torch.float32)
-    kernel = getattr(lib, f"gemm_bf16_{_KERNELS[weight.kind]}")
+    table = weight.kind in _LUT_KINDS and x.shape[0] <= LUT_ROWS
+    kernel = getattr(lib, f"gemm_bf16_{'lut_' if table else ''}{_KERNELS[weight.kind]}")
     kernel(x.data_ptr(), x.shape[0], weight.in_features, weight.data.data_ptr(), weight.out_features, out.data_ptr())
     return out.to(torch.bfloat16)
 
