@@ -298,7 +298,7 @@ from triton.compiler import ASTSource
 from pagedllm.attention import triton_ops as T
 
 dtype, precision = sys.argv[1], sys.argv[2]
-geometry = T.Geometry(group=4, head_dim=128, block_size=16, dot_precision=precision)
+geometry = T.Geometry(group=4, head_dim=128, block_size=16, dot_precision=precision, int8_kv=False)
 decode = {"GROUP": 4, "GROUP_PAD": geometry.group_pad, **geometry.constexprs()}
 mixed = {"GROUP": 4, "BLOCK_M": T.MIXED_BLOCK_M, "BLOCK_Q": T.MIXED_BLOCK_M // 4, **geometry.constexprs()}
 merge = {"PARTITION": 512, "PARTS_PAD": 16, "HEAD_DIM": 128, "HEAD_PAD": 128}
