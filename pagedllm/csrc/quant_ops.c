@@ -287,10 +287,10 @@ static inline void expand_q6_k(const uint8_t *restrict block, float *restrict ou
         }                                                                                                 \
     }
 
-/* Q4_0 and Q4_1 at few rows: a block's 4-bit values become bf16 through a table (exact: small integers),
- * are multiplied as they are, and the block's float32 sum is scaled by d after: a third of the
- * instructions of expanding d * q + offset in float32 and rounding it, and no rounding of the weights. A
- * Q4_1 block's minimum multiplies the sum of its 32 activations, summed once per call (`xsums`). */
+/* Q4_0, Q4_1 and Q4_K at few rows: a block's (sub-block's) 4-bit values become bf16 through a table (exact:
+ * small integers), are multiplied as they are, and the block's float32 sum is scaled by d after: a third of
+ * the instructions of expanding d * q + offset in float32 and rounding it, and no rounding of the weights.
+ * A Q4_1 or Q4_K block's minimum multiplies the sum of its 32 activations, summed once per call (`xsums`). */
 #define LUT_ROWS 4
 
 static inline __m512i nibble_table(float offset) {
@@ -299,10 +299,15 @@ static inline __m512i nibble_table(float offset) {
     return _mm512_loadu_si512((const void *)table);
 }
 
+/* 32 4-bit values (the low nibbles of bytes 0..31 of `q`) as bf16 through the table. */
+static inline __m512bh nibbles32_bf16(__m256i q, __m512i table) {
+    return (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm256_and_si256(q, _mm256_set1_epi8(0x0F))), table);
+}
+
+/* A Q4_0/Q4_1 block's 32 values: the low nibbles of its 16 bytes, then the high ones. */
 static inline __m512bh nibbles_bf16(const uint8_t *qs, __m512i table) {
-    const __m128i q = _mm_loadu_si128((const __m128i *)qs), low = _mm_set1_epi8(0x0F);
-    const __m256i both = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), low), _mm_and_si128(q, low));
-    return (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(both), table);
+    const __m128i q = _mm_loadu_si128((const __m128i *)qs);
+    return nibbles32_bf16(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), table);
 }
 
 /* The sums of `count` consecutive groups of QK bf16 values. */
@@ -312,11 +317,6 @@ static void block_sums(const uint16_t *x, int64_t count, float *out) {
         const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + i * QK + 16))), 16));
         out[i] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
     }
-}
-
-/* 32 4-bit values (bytes 0..31 of `q`, low or high nibbles) as bf16 through the table. */
-static inline __m512bh nibbles32_bf16(__m256i q, __m512i table) {
-    return (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm256_and_si256(q, _mm256_set1_epi8(0x0F))), table);
 }
 
 /* Q4_K's sub-blocks are Q4_1's blocks with 6-bit scales under the super-block's d and dmin: the same table. */
@@ -350,26 +350,7 @@ static inline void lut_tile_q4_k(const uint16_t *x, int64_t k, const uint8_t *ro
     for (int i = 0; i < mt; i++) y[i * n] = _mm512_reduce_add_ps(acc[i]) + mins[i];
 }
 
-void gemm_bf16_lut_q4_k(const uint16_t *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, float *y) {
-    const int64_t blocks = k / 256, row_bytes = blocks * 144, groups = k / QK;
-    const __m512i table = nibble_table(0.f);
-    float xsums[m * groups];
-    block_sums(x, m * groups, xsums);
-#pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < n; r++)
-        for (int64_t i = 0; i < m; i += LUT_ROWS) {
-            const uint8_t *row = w + r * row_bytes;
-            const float *sums = xsums + i * groups;
-            switch (m - i) {
-            case 1: lut_tile_q4_k(x + i * k, k, row, blocks, table, sums, y + i * n + r, n, 1); break;
-            case 2: lut_tile_q4_k(x + i * k, k, row, blocks, table, sums, y + i * n + r, n, 2); break;
-            case 3: lut_tile_q4_k(x + i * k, k, row, blocks, table, sums, y + i * n + r, n, 3); break;
-            default: lut_tile_q4_k(x + i * k, k, row, blocks, table, sums, y + i * n + r, n, LUT_ROWS);
-            }
-        }
-}
-
-#define DEFINE_GEMM_BF16_LUT(TYPE, BYTES, QS, OFFSET, HAS_MIN)                                            \
+#define DEFINE_LUT_TILE(TYPE, BYTES, QS, HAS_MIN)                                                         \
     static inline void lut_tile_##TYPE(const uint16_t *x, int64_t k, const uint8_t *row, int64_t blocks,  \
                                        __m512i table, const float *xsums, float *y, int64_t n, int mt) {  \
         __m512 acc[LUT_ROWS];                                                                             \
@@ -387,18 +368,24 @@ void gemm_bf16_lut_q4_k(const uint16_t *x, int64_t m, int64_t k, const uint8_t *
             }                                                                                             \
         }                                                                                                 \
         for (int i = 0; i < mt; i++) y[i * n] = _mm512_reduce_add_ps(acc[i]) + mins[i];                   \
-    }                                                                                                     \
-                                                                                                          \
+    }
+
+DEFINE_LUT_TILE(q4_0, 18, 2, 0)
+DEFINE_LUT_TILE(q4_1, 20, 4, 1)
+
+/* Every table kernel: the activations' group sums where the type has minimums, then each weight row
+ * against tiles of LUT_ROWS activation rows. */
+#define DEFINE_GEMM_BF16_LUT(TYPE, BYTES, QB, OFFSET, HAS_MIN)                                            \
     void gemm_bf16_lut_##TYPE(const uint16_t *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, float *y) { \
-        const int64_t blocks = k / QK, row_bytes = blocks * (BYTES);                                      \
+        const int64_t blocks = k / (QB), row_bytes = blocks * (BYTES), groups = k / QK;                  \
         const __m512i table = nibble_table(OFFSET);                                                       \
-        float xsums[HAS_MIN ? m * blocks : 1];                                                            \
-        if (HAS_MIN) block_sums(x, m * blocks, xsums);                                                    \
+        float xsums[HAS_MIN ? m * groups : 1];                                                            \
+        if (HAS_MIN) block_sums(x, m * groups, xsums);                                                    \
         _Pragma("omp parallel for schedule(static)")                                                      \
         for (int64_t r = 0; r < n; r++)                                                                   \
             for (int64_t i = 0; i < m; i += LUT_ROWS) {                                                   \
                 const uint8_t *row = w + r * row_bytes;                                                   \
-                const float *sums = xsums + (HAS_MIN ? i * blocks : 0);                                   \
+                const float *sums = xsums + (HAS_MIN ? i * groups : 0);                                   \
                 /* a constant row count at each call, so that the accumulators stay in registers */      \
                 switch (m - i) {                                                                          \
                 case 1: lut_tile_##TYPE(x + i * k, k, row, blocks, table, sums, y + i * n + r, n, 1); break; \
@@ -409,8 +396,9 @@ void gemm_bf16_lut_q4_k(const uint16_t *x, int64_t m, int64_t k, const uint8_t *
             }                                                                                             \
     }
 
-DEFINE_GEMM_BF16_LUT(q4_0, 18, 2, -8.f, 0)
-DEFINE_GEMM_BF16_LUT(q4_1, 20, 4, 0.f, 1)
+DEFINE_GEMM_BF16_LUT(q4_0, 18, 32, -8.f, 0)
+DEFINE_GEMM_BF16_LUT(q4_1, 20, 32, 0.f, 1)
+DEFINE_GEMM_BF16_LUT(q4_k, 144, 256, 0.f, 1)
 
 int has_bf16_gemm(void) { return 1; }
 #else
