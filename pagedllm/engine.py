@@ -21,7 +21,7 @@ from pagedllm.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from pagedllm.kv.events import KVEventFile, KVEventSink
 from pagedllm.kv.kv_cache_manager import KVCacheManager
 from pagedllm.models.config import ModelConfig
-from pagedllm.models.loader import LoadedModel, load_model, resolve_model_folder, runs_quantized
+from pagedllm.models.loader import LoadedModel, load_model, reads_lean_folder, resolve_model_folder
 from pagedllm.output_processor import OutputProcessor, ProcessedStep
 from pagedllm.outputs import EngineStats, KVSnapshot, RequestOutput
 from pagedllm.request import SequenceGroup
@@ -64,7 +64,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         started = time.perf_counter()
         self.config = config
-        lean = runs_quantized(config.device, config.tensor_parallel_size) and not config.dequantize
+        lean = reads_lean_folder(config.device, config.tensor_parallel_size, config.dequantize)
         folder = resolve_model_folder(config.model, lean)
         model_config = ModelConfig.from_folder(folder)
         pool = pool_size(config, model_config)

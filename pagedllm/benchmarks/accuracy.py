@@ -264,32 +264,35 @@ def score(name: str, reference: torch.Tensor, logprobs: torch.Tensor, text: Text
     )
 
 
-def verdicts(rows: list[Row]) -> list[Verdict]:
-    """Each row whose configuration has a peer judged against the peer's row, where both ran."""
+def _paired(rows: list[Row], role: str) -> list[tuple[Row, Row]]:
+    """Each row with the row of the configuration its configuration names as `role` ("peer", "base"), where
+    both ran."""
     by_name = {row.config: row for row in rows}
-    found = []
+    pairs = []
     for row in rows:
         config = CONFIGURATIONS.get(row.config)
-        peer = by_name.get(config.peer) if config is not None and config.peer is not None else None
-        if peer is not None:
-            ratio = row.mean_kl / peer.mean_kl if peer.mean_kl > 0 else math.inf
-            losses = int((peer.agrees & ~row.agrees).sum())
-            wins = int((row.agrees & ~peer.agrees).sum())
-            difference = row.top1_agreement - peer.top1_agreement
-            found.append(Verdict(row.config, peer.config, ratio, difference, losses, wins))
+        other = by_name.get(getattr(config, role)) if config is not None else None
+        if other is not None:
+            pairs.append((row, other))
+    return pairs
+
+
+def verdicts(rows: list[Row]) -> list[Verdict]:
+    """Each row whose configuration has a peer judged against the peer's row, where both ran."""
+    found = []
+    for row, peer in _paired(rows, "peer"):
+        ratio = row.mean_kl / peer.mean_kl if peer.mean_kl > 0 else math.inf
+        losses = int((peer.agrees & ~row.agrees).sum())
+        wins = int((row.agrees & ~peer.agrees).sum())
+        difference = row.top1_agreement - peer.top1_agreement
+        found.append(Verdict(row.config, peer.config, ratio, difference, losses, wins))
     return found
 
 
 def base_verdicts(rows: list[Row]) -> list[BaseVerdict]:
     """Each row whose configuration has a base judged against the base's row, where both ran."""
-    by_name = {row.config: row for row in rows}
-    found = []
-    for row in rows:
-        config = CONFIGURATIONS.get(row.config)
-        base = by_name.get(config.base) if config is not None and config.base is not None else None
-        if base is not None:
-            found.append(BaseVerdict(row.config, base.config, row.perplexity / base.perplexity))
-    return found
+    pairs = _paired(rows, "base")
+    return [BaseVerdict(row.config, base.config, row.perplexity / base.perplexity) for row, base in pairs]
 
 
 def run_accuracy(model: str | Path | None, names: list[str], text: Text) -> list[Row]:

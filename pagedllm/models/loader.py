@@ -72,7 +72,7 @@ def load_model(
     "int4") quantizes the rest of them once, here."""
     world_size = 1 if shard is None else shard.world_size
     quantized_path = runs_quantized(device, world_size)
-    folder = resolve_model_folder(model, lean=quantized_path and not dequantize)
+    folder = resolve_model_folder(model, lean=reads_lean_folder(device, world_size, dequantize))
     # Unsupported architectures, missing fields and options we cannot follow exactly fail here,
     # before any weight is read.
     config = ModelConfig.from_folder(folder)
@@ -96,6 +96,11 @@ def load_model(
 def runs_quantized(device: str, world_size: int) -> bool:
     """Whether quantized weights stay quantized: the kernels are CPU ones, for a whole (unsharded) model."""
     return device == "cpu" and world_size == 1
+
+
+def reads_lean_folder(device: str, world_size: int, dequantize: bool) -> bool:
+    """Whether a GGUF file's quantized tensors come from the file itself, so that its lean folder serves."""
+    return runs_quantized(device, world_size) and not dequantize
 
 
 def _held_quantized(
