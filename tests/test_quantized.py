@@ -235,3 +235,68 @@ def test_quantization_is_refused_off_a_single_cpu_rank() -> None:
         EngineConfig(quantization="int8", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="quantization must be"):
         EngineConfig(quantization="int3")
+
+
+# --- Q4_0 and Q4_1 repacked for the integer kernel (AVX512-VNNI) -------------------------------------
+
+PACKED_KINDS = (Q.Q4_0, Q.Q4_1)
+HAS_VNNI = {"avx512_vnni", "avx512_bf16"} <= set(native.cpu_flags().split())
+
+
+def test_the_integer_kernel_is_built_where_the_cpu_has_avx512_vnni() -> None:
+    lib = quantized.library()
+    assert lib is not None and bool(lib.has_vnni_gemm()) == HAS_VNNI
+
+
+@pytest.mark.parametrize("kind", PACKED_KINDS, ids=lambda k: k.name)
+def test_packing_moves_the_bytes_in_place_and_unpacks_to_them(kind: Q) -> None:
+    weight, exact = _weight(kind, 48, 256, seed=4)
+    raw = weight.data.clone()
+    packed = quantized.pack(weight)
+    assert packed.data.data_ptr() == weight.data.data_ptr()  # no second copy of the model
+    assert not torch.equal(packed.data, raw) and torch.equal(packed.data.flatten().sort()[0], raw.flatten().sort()[0])
+    assert torch.equal(packed.unpacked(0, 48).data, raw)
+    assert torch.equal(packed.unpacked(16, 48).data, raw[16:48])
+    x = torch.randn(20, 256)  # float32 activations: the dequantized tiles, float32 sums
+    bound = 1e-5 * (x.double().abs() @ exact.abs().T).max().item()
+    assert (matmul(x, packed).double() - x.double() @ exact.T).abs().max().item() < bound
+
+
+@pytest.mark.skipif(not HAS_VNNI, reason="no AVX512-VNNI here: weights are never packed, the kernel is not built")
+@pytest.mark.parametrize("kind", PACKED_KINDS, ids=lambda k: k.name)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 37])
+def test_the_integer_product_is_within_the_outputs_bf16_rounding(kind: Q, rows: int) -> None:
+    weight, exact = _weight(kind, 64, 512, seed=5)
+    assert quantized.packs(weight)
+    packed = quantized.pack(weight)
+    x = torch.randn(rows, 512).to(torch.bfloat16)
+    x[0, 40] = 30.0  # an outlier sets its block's scale: the others keep 15 bits
+    out = matmul(x, packed)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 64)
+    expected = x.double() @ exact.T
+    # Each activation is off by at most half its block's step (amax / 32767): int8 steps are 258 times
+    # coarser. Then the output's bf16 rounding, up to 2^-8 of it.
+    step = x.double().abs().reshape(rows, -1, 32).amax(-1) / 32767
+    quantization = (step / 2) @ exact.abs().reshape(64, -1, 32).sum(-1).T
+    bound = 1.01 * quantization + 2**-8 * (expected.abs() + quantization) + 1e-6
+    assert ((out.double() - expected).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_a_bf16_model_holds_its_q4_0_matrices_packed(family: str, monkeypatch, tmp_path) -> None:
+    """Mistral's LM head is tied: the embedding's rows, which lookups read as stored, so it is never packed."""
+    spec = dataclasses.replace(FAMILIES[family], quant={"attn_v": Q.Q8_0, "": Q.Q4_0})
+    path = tmp_path / "tiny.gguf"
+    write_gguf(save_tiny_family(tmp_path / "hf", spec), path, spec)
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+
+    def parts(dtype: str, name: str) -> set[str]:
+        model = LLM(model=path, dtype=dtype, num_kv_blocks=64).engine.loaded.model
+        return {type(part).__name__ for part in model.get_submodule(name).parts}
+
+    packed = "PackedWeight" if HAS_VNNI else "QuantizedWeight"
+    tied = family == "mistral"
+    assert parts("bfloat16", "layers.0.mlp.gate_up_proj") == {packed}
+    assert parts("bfloat16", "layers.0.self_attn.qkv_proj") == {packed, "QuantizedWeight"}  # v is Q8_0
+    assert parts("bfloat16", "lm_head") == {"QuantizedWeight" if tied else packed}
+    assert parts("float32", "layers.0.mlp.gate_up_proj") == {"QuantizedWeight"}

@@ -22,6 +22,8 @@
  * Built at first use by pagedllm.native and called through ctypes from pagedllm.models.quantized.
  */
 #include <stdint.h>
+#include <omp.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -412,3 +414,168 @@ DEFINE_KERNELS(q8_0, 34, 32)
 DEFINE_KERNELS(q4_k, 144, 256)
 DEFINE_KERNELS(q5_k, 176, 256)
 DEFINE_KERNELS(q6_k, 210, 256)
+
+/* ---- Q4_0 and Q4_1 repacked for integer dot products (AVX512-VNNI) -------------------------------- */
+
+/* At load, each group of X16 rows is repacked block by block into X16 rows side by side (llama.cpp's
+ * "repack" idea): for block b, the X16 rows' fp16 scales (and then, for Q4_1, their fp16 minimums), then
+ * four 64-byte runs; run t holds bytes 4t..4t+3 of every row's 16 bytes of nibbles, row after row. A
+ * block of X16 rows is the same bytes as before (288 or 320), moved: the low nibbles of run t are values
+ * 4t..4t+3 of each row, its high nibbles values 16+4t..16+4t+3. Split into 16-bit words, a pair of them
+ * meets a pair of activations broadcast to every lane in one vpdpwssd, and each lane's int32 sum is one
+ * row's.
+ *
+ * Activations are quantized per block of 32 to int16 with a float32 scale (amax / 32767). llama.cpp
+ * quantizes them to int8 here (its Q8_0), twice the products per instruction; int16 keeps the product as
+ * close to float32 as the bf16 path's (int8 was measured at 3.4x the bf16 path's mean KL on the default
+ * model, docs/PERFORMANCE.md), and one row is bound by the weights' read either way. Q4_0's offset of 8 and
+ * Q4_1's minimum are applied once per block, by the sum of the block's quantized activations. */
+#define X16 16
+
+void pack_q4_x16(const uint8_t *w, int64_t n, int64_t k, int64_t header, uint8_t *out) {
+    const int64_t blocks = k / QK, bytes = header + 16, fields = header / 2, group_bytes = X16 * blocks * bytes;
+    /* a group at a time through a buffer, so that `out` may be `w` (repacked in place, no second copy) */
+    uint8_t *buffer = (uint8_t *)malloc((size_t)group_bytes);
+    for (int64_t g = 0; g < n / X16; g++) {
+        for (int64_t b = 0; b < blocks; b++) {
+            uint8_t *dst = buffer + b * X16 * bytes;
+            for (int r = 0; r < X16; r++) {
+                const uint8_t *src = w + g * group_bytes + (r * blocks + b) * bytes;
+                for (int64_t f = 0; f < fields; f++) memcpy(dst + (f * X16 + r) * 2, src + 2 * f, 2);
+                for (int t = 0; t < 4; t++) memcpy(dst + X16 * header + t * 4 * X16 + 4 * r, src + header + 4 * t, 4);
+            }
+        }
+        memcpy(out + g * group_bytes, buffer, (size_t)group_bytes);
+    }
+    free(buffer);
+}
+
+/* The inverse of pack_q4_x16, for `n` rows (a multiple of X16) starting at a group's first row. */
+void unpack_q4_x16(const uint8_t *packed, int64_t n, int64_t k, int64_t header, uint8_t *w) {
+    const int64_t blocks = k / QK, bytes = header + 16, fields = header / 2;
+    for (int64_t g = 0; g < n / X16; g++)
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint8_t *src = packed + (g * blocks + b) * X16 * bytes;
+            for (int r = 0; r < X16; r++) {
+                uint8_t *dst = w + ((g * X16 + r) * blocks + b) * bytes;
+                for (int64_t f = 0; f < fields; f++) memcpy(dst + 2 * f, src + (f * X16 + r) * 2, 2);
+                for (int t = 0; t < 4; t++) memcpy(dst + header + 4 * t, src + X16 * header + t * 4 * X16 + 4 * r, 4);
+            }
+        }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+#define VNNI_ROWS 4
+#define VNNI_CHUNK 64
+
+/* bf16 activations, `count` blocks of 32, to int16 values with one float32 scale a block (amax / 32767,
+ * rounded to nearest), in the order the kernel pairs them: quad t (values 4t.. for t < 4, 16 + 4(t - 4)..
+ * after) as the pairs (0, 2) and (1, 3), the words the weights' split gives. And each block's sum of the
+ * quantized values, as it is (for Q4_0's offset, applied in integers) and scaled (for Q4_1's minimums: the
+ * sum of the quantized activations, so that the minimum's error and the values' cancel as in the product
+ * with the quantized row). */
+static void quantize_blocks_q16(const uint16_t *x, int64_t count, int16_t *q, float *scale, int32_t *qsum, float *xsum) {
+    for (int64_t i = 0; i < count; i++) {
+        const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + i * QK))), 16));
+        const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + i * QK + 16))), 16));
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        const float d = amax / 32767.f, inverse = amax > 0.f ? 32767.f / amax : 0.f;
+        const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inverse)));
+        const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inverse)));
+        int32_t v[32];
+        _mm512_storeu_si512(v, qlo);
+        _mm512_storeu_si512(v + 16, qhi);
+        int16_t *dst = q + i * QK;
+        for (int t = 0; t < 8; t++) {
+            const int base = t < 4 ? 4 * t : 16 + 4 * (t - 4);
+            dst[4 * t] = (int16_t)v[base];
+            dst[4 * t + 1] = (int16_t)v[base + 2];
+            dst[4 * t + 2] = (int16_t)v[base + 1];
+            dst[4 * t + 3] = (int16_t)v[base + 3];
+        }
+        scale[i] = d;
+        qsum[i] = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+        xsum[i] = d * (float)qsum[i];
+    }
+}
+
+/* One block of X16 rows against `mt` quantized activation rows: acc[i] gains each row's block product. */
+static inline void vnni_block(const uint8_t *blk, int header, const int32_t *xq, const float *scale, const int32_t *qsum,
+                              const float *xsum, int64_t stride, int mt, __m512 *acc) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F), low_bytes = _mm512_set1_epi16(0x00FF);
+    const uint8_t *runs = blk + X16 * header;
+    __m512i sums[VNNI_ROWS];
+    /* Q4_0's values are q - 8: the offset times the activations' sum starts the integer sum */
+    for (int i = 0; i < mt; i++) sums[i] = _mm512_set1_epi32(header == 2 ? -8 * qsum[i * stride] : 0);
+    for (int t = 0; t < 4; t++) {
+        const __m512i run = _mm512_loadu_si512((const void *)(runs + 64 * t));
+        const __m512i a = _mm512_and_si512(run, nibble), b = _mm512_and_si512(_mm512_srli_epi16(run, 4), nibble);
+        const __m512i a0 = _mm512_and_si512(a, low_bytes), a1 = _mm512_srli_epi16(a, 8);
+        const __m512i b0 = _mm512_and_si512(b, low_bytes), b1 = _mm512_srli_epi16(b, 8);
+        for (int i = 0; i < mt; i++) {
+            const int32_t *xb = xq + i * stride * 16;
+            sums[i] = _mm512_dpwssd_epi32(sums[i], a0, _mm512_set1_epi32(xb[2 * t]));
+            sums[i] = _mm512_dpwssd_epi32(sums[i], a1, _mm512_set1_epi32(xb[2 * t + 1]));
+            sums[i] = _mm512_dpwssd_epi32(sums[i], b0, _mm512_set1_epi32(xb[2 * t + 8]));
+            sums[i] = _mm512_dpwssd_epi32(sums[i], b1, _mm512_set1_epi32(xb[2 * t + 9]));
+        }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+    for (int i = 0; i < mt; i++) {
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[i]), _mm512_mul_ps(d, _mm512_set1_ps(scale[i * stride])), acc[i]);
+        if (header == 4) {
+            const __m512 least = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 2 * X16)));
+            acc[i] = _mm512_fmadd_ps(least, _mm512_set1_ps(xsum[i * stride]), acc[i]);
+        }
+    }
+}
+
+static inline void vnni_group(const uint8_t *group, int64_t blocks, int header, const int16_t *xq, const float *scale,
+                              const int32_t *qsum, const float *xsum, int mt, uint16_t *y, int64_t n) {
+    __m512 acc[VNNI_ROWS];
+    for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();
+    const int64_t bytes = X16 * (header + 16);
+    /* the activation's values of block b are its int32 words (pairs) 16b .. 16b+15; `blocks` blocks a row */
+    for (int64_t b = 0; b < blocks; b++)
+        vnni_block(group + b * bytes, header, (const int32_t *)xq + 16 * b, scale + b, qsum + b, xsum + b, blocks, mt, acc);
+    for (int i = 0; i < mt; i++) _mm256_storeu_si256((__m256i *)(y + i * n), (__m256i)_mm512_cvtneps_pbh(acc[i]));
+}
+
+/* y = x @ W.T for bf16 x `[m, k]` and W packed by pack_q4_x16 (`header` 2: Q4_0, 4: Q4_1), y in bf16. */
+void gemm_vnni_q4_x16(const uint16_t *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, int64_t header, uint16_t *y) {
+    const int64_t blocks = k / QK, count = m * blocks, group_bytes = blocks * X16 * (header + 16);
+    int16_t *xq = (int16_t *)malloc((size_t)(m * k) * sizeof(int16_t));
+    float *scale = (float *)malloc((size_t)count * sizeof(float)), *xsum = (float *)malloc((size_t)count * sizeof(float));
+    int32_t *qsum = (int32_t *)malloc((size_t)count * sizeof(int32_t));
+    quantize_blocks_q16(x, count, xq, scale, qsum, xsum);
+    /* Each thread takes a share of the groups and goes through the activation rows a chunk at a time, so a
+     * chunk of quantized rows stays in its L2 while its groups pass (a group's blocks are 18-74 KB). */
+    _Pragma("omp parallel")
+    {
+        const int64_t groups = n / X16, threads = omp_get_num_threads(), id = omp_get_thread_num();
+        const int64_t first = groups * id / threads, last = groups * (id + 1) / threads;
+        for (int64_t chunk = 0; chunk < m; chunk += VNNI_CHUNK)
+            for (int64_t g = first; g < last; g++)
+                for (int64_t i = chunk; i < m && i < chunk + VNNI_CHUNK; i += VNNI_ROWS) {
+                    const int64_t at = i * blocks;
+                    const uint8_t *group = w + g * group_bytes;
+                    uint16_t *out = y + i * n + g * X16;
+                    /* a constant row count at each call, so that the accumulators stay in registers */
+                    switch (m - i) {
+                    case 1: vnni_group(group, blocks, (int)header, xq + i * k, scale + at, qsum + at, xsum + at, 1, out, n); break;
+                    case 2: vnni_group(group, blocks, (int)header, xq + i * k, scale + at, qsum + at, xsum + at, 2, out, n); break;
+                    case 3: vnni_group(group, blocks, (int)header, xq + i * k, scale + at, qsum + at, xsum + at, 3, out, n); break;
+                    default: vnni_group(group, blocks, (int)header, xq + i * k, scale + at, qsum + at, xsum + at, VNNI_ROWS, out, n);
+                    }
+                }
+    }
+    free(xq);
+    free(scale);
+    free(xsum);
+    free(qsum);
+}
+
+int has_vnni_gemm(void) { return 1; }
+#else
+int has_vnni_gemm(void) { return 0; }
+#endif

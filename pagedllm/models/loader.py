@@ -149,12 +149,15 @@ def _quantize_modules(net: CausalLM, weights: Mapping[str, QuantizedWeight], dty
     for name, module in list(net.named_modules()):
         if not isinstance(module, Linear):
             continue
-        if name == "lm_head" and net.config.tie_word_embeddings:
+        tied = name == "lm_head" and net.config.tie_word_embeddings
+        if tied:
             parts = [embedding] if embedding is not None else []
         else:
             parts = [weights.get(key) for key in _checkpoint_keys(weights, f"{name}.weight")]
         if parts and all(part is not None for part in parts):
-            net.set_submodule(name, QuantizedLinear(parts, bias=module.bias is not None))
+            # the embedding's lookups read a tied head's rows in GGUF's layout: repacking would hold it twice
+            pack_parts = dtype == torch.bfloat16 and not tied
+            net.set_submodule(name, QuantizedLinear(parts, bias=module.bias is not None, pack_parts=pack_parts))
     if embedding is not None:
         net.embed_tokens = QuantizedEmbedding(embedding, dtype, net.embed_tokens.scale)
 

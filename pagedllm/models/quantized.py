@@ -5,8 +5,10 @@ the K-quants Q4_K, Q5_K and Q6_K have C kernels (`pagedllm/csrc/quant_ops.c`): f
 straight from the blocks (float32, or bf16 dot products where the CPU has AVX512-BF16), many rows (prefill,
 big batches) dequantize the weight a tile at a time into the activations' dtype for torch's GEMM. Without a
 compiler (or with PAGEDLLM_NATIVE=0) both go through gguf's own dequantization, the portable path: the same
-numbers, slower. Other quantized types (Q5_0, Q2_K, the IQ types, ...) have no
-kernel yet and are dequantized once at load (`holds_quantized` says which).
+numbers, slower. Where the CPU has AVX512-VNNI, a bf16 model's Q4_0 and Q4_1 matrices are repacked at
+load, 16 rows side by side, and meet every row count in integer dot products (`PackedWeight`). Other
+quantized types (Q5_0, Q2_K, the IQ types, ...) have no kernel yet and are dequantized once at load
+(`holds_quantized` says which).
 
 Activations and sums stay in float32 on the few-row path, so a float32 model on quantized weights is the
 float32 model on the dequantized weights up to summation order.
@@ -56,6 +58,13 @@ _LUT_KINDS = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantiza
 # A dequantized tile of a weight, on the many-row path: small enough to stay in a core's L2 cache.
 TILE_BYTES = 2 << 20
 _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+# Q4_0 and Q4_1 weights of a bf16 model are repacked at load, 16 rows side by side, where the CPU has
+# AVX512-VNNI (`pack_q4_x16`): the value is the bytes of a block's fp16 fields (scale, and Q4_1's minimum).
+_PACKED_HEADERS = {GGMLQuantizationType.Q4_0: 2, GGMLQuantizationType.Q4_1: 4}
+# bf16 activations meet a packed weight in int8 dot products (`gemm_vnni_q4_x16`) at every row count: from
+# one row (bandwidth) to a prefill's thousands it measured faster than the dequantized tiles into torch's
+# bf16 GEMM (docs/PERFORMANCE.md); float32 activations take the tiles.
+PACK_ROWS = 16
 _PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -76,6 +85,10 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.has_bf16_gemm.restype = ctypes.c_int
     names = [(f"gemm_{s}", gemm) for s in _KERNELS.values()]
     names += [(f"dequant_{s}_{t}", dequant) for s in _KERNELS.values() for t in _SUFFIXES.values()]
+    names += [(name, [_PTR, _I64, _I64, _I64, _PTR]) for name in ("pack_q4_x16", "unpack_q4_x16")]
+    lib.has_vnni_gemm.restype = ctypes.c_int
+    if lib.has_vnni_gemm():
+        names.append(("gemm_vnni_q4_x16", [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR]))
     if lib.has_bf16_gemm():
         names += [(f"gemm_bf16_{s}", gemm) for s in _KERNELS.values()]
         names += [(f"gemm_bf16_lut_{_KERNELS[kind]}", gemm) for kind in _LUT_KINDS]
@@ -129,6 +142,53 @@ class QuantizedWeight:
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class PackedWeight:
+    """A Q4_0 or Q4_1 weight repacked for the int8 kernel: `data` holds the same bytes as the GGUF blocks,
+    each block of `PACK_ROWS` rows side by side (`pack_q4_x16` in quant_ops.c says how)."""
+
+    kind: GGMLQuantizationType
+    data: torch.Tensor  # uint8, [out_features, bytes per row] in size only
+    in_features: int
+
+    @property
+    def out_features(self) -> int:
+        return self.data.shape[0]
+
+    def unpacked(self, start: int, end: int) -> QuantizedWeight:
+        """Rows `start .. end` (multiples of PACK_ROWS, or `end` the last row) in GGUF's layout, a copy."""
+        lib = library()
+        assert lib is not None and start % PACK_ROWS == 0 and end - start > 0
+        rows = self.data[start:end].contiguous()
+        out = torch.empty_like(rows)
+        lib.unpack_q4_x16(rows.data_ptr(), end - start, self.in_features, _PACKED_HEADERS[self.kind], out.data_ptr())
+        return QuantizedWeight(self.kind, out, self.in_features)
+
+
+def packs(weight: QuantizedWeight) -> bool:
+    """Whether `weight` can be repacked for the int8 kernel here: a Q4_0 or Q4_1 weight, whole groups of
+    rows, on a CPU with AVX512-VNNI."""
+    lib = library()
+    return (
+        weight.kind in _PACKED_HEADERS
+        and weight.out_features % PACK_ROWS == 0
+        and lib is not None
+        and bool(lib.has_vnni_gemm())
+    )
+
+
+def pack(weight: QuantizedWeight) -> PackedWeight:
+    """`weight` repacked (see `packs`) in its own memory, so that a model is never held twice: `weight` is
+    consumed, and its blocks must have no other reader."""
+    lib = library()
+    assert lib is not None and weight.data.is_contiguous()
+    data = weight.data
+    lib.pack_q4_x16(
+        data.data_ptr(), weight.out_features, weight.in_features, _PACKED_HEADERS[weight.kind], data.data_ptr()
+    )
+    return PackedWeight(weight.kind, data, weight.in_features)
+
+
 def concatenate(parts: list[QuantizedWeight]) -> QuantizedWeight:
     """Parts of one fused matrix (q, k, v or gate, up) stacked by rows; all of one type and width."""
     first = parts[0]
@@ -137,11 +197,16 @@ def concatenate(parts: list[QuantizedWeight]) -> QuantizedWeight:
     return QuantizedWeight(first.kind, torch.cat([p.data for p in parts]), first.in_features)
 
 
-def matmul(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+def matmul(x: torch.Tensor, weight: QuantizedWeight | PackedWeight) -> torch.Tensor:
     """`x @ W.T` for `x` `[rows, in_features]`, in x's dtype."""
     lib = library()
     if x.shape[0] == 0:
         return x.new_empty((0, weight.out_features))
+    if isinstance(weight, PackedWeight):
+        assert lib is not None
+        if x.dtype == torch.bfloat16:
+            return _vnni_product(x, weight, lib)
+        return _tiled_product(x, weight, lib)
     if lib is None or weight.kind not in _KERNELS:
         return nn.functional.linear(x, weight.dequantize(x.dtype, native_ok=False))
     if x.dtype == torch.bfloat16 and x.shape[0] <= BF16_ROWS and lib.has_bf16_gemm():
@@ -165,20 +230,39 @@ def _bf16_product(x: torch.Tensor, weight: QuantizedWeight, lib: ctypes.CDLL) ->
     return out.to(torch.bfloat16)
 
 
-def _tiled_product(x: torch.Tensor, weight: QuantizedWeight, lib: ctypes.CDLL) -> torch.Tensor:
+def _vnni_product(x: torch.Tensor, weight: PackedWeight, lib: ctypes.CDLL) -> torch.Tensor:
+    """`x @ W.T` for bf16 `x` by integer dot products: x quantized to int16 per block of 32, int32 sums
+    scaled per block in float32, bf16 out."""
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], weight.out_features, dtype=torch.bfloat16)
+    header = _PACKED_HEADERS[weight.kind]
+    lib.gemm_vnni_q4_x16(
+        x.data_ptr(),
+        x.shape[0],
+        weight.in_features,
+        weight.data.data_ptr(),
+        weight.out_features,
+        header,
+        out.data_ptr(),
+    )
+    return out
+
+
+def _tiled_product(x: torch.Tensor, weight: QuantizedWeight | PackedWeight, lib: ctypes.CDLL) -> torch.Tensor:
     """`x @ W.T` as torch GEMMs over tiles of W's rows, each dequantized into x's dtype just before into one
-    reused buffer: a tile stays in the cache between the two, and no whole dequantized matrix is ever held."""
+    reused buffer: a tile stays in the cache between the two, and no whole dequantized matrix is ever held.
+    A packed weight's tiles are unpacked first (whole groups of rows)."""
     dtype = x.dtype if x.dtype in _SUFFIXES else torch.float32
-    rows = max(16, TILE_BYTES // (weight.in_features * torch.finfo(dtype).bits // 8))
+    rows = max(PACK_ROWS, TILE_BYTES // (weight.in_features * torch.finfo(dtype).bits // 8)) // PACK_ROWS * PACK_ROWS
     x = x.to(dtype)
     out = torch.empty(x.shape[0], weight.out_features, dtype=dtype)
     buffer = torch.empty(min(rows, weight.out_features), weight.in_features, dtype=dtype)
     kernel = getattr(lib, f"dequant_{_KERNELS[weight.kind]}_{_SUFFIXES[dtype]}")
-    row_bytes, base = weight.data.shape[1], weight.data.data_ptr()
     for start in range(0, weight.out_features, rows):
-        count = min(rows, weight.out_features - start)
-        kernel(base + start * row_bytes, count, weight.in_features, buffer.data_ptr())
-        out[:, start : start + count] = nn.functional.linear(x, buffer[:count])
+        end = min(start + rows, weight.out_features)
+        tile = weight.unpacked(start, end) if isinstance(weight, PackedWeight) else weight.slice(start, end)
+        kernel(tile.data.data_ptr(), end - start, weight.in_features, buffer.data_ptr())
+        out[:, start:end] = nn.functional.linear(x, buffer[: end - start])
     return out
 
 
@@ -186,11 +270,13 @@ class QuantizedLinear(nn.Module):
     """A linear layer whose weight is one or more `QuantizedWeight`s stacked by output rows (a fused
     q/k/v whose parts a GGUF file quantized differently stays in parts). The blocks are plain attributes,
     not parameters: the state dict read from a checkpoint is the rest of the model's. A bias, where the
-    layer has one, stays a parameter and loads like any other."""
+    layer has one, stays a parameter and loads like any other. With `pack_parts` (a bf16 model's layers),
+    parts the int8 kernel takes are repacked for it (`packs`)."""
 
-    def __init__(self, parts: list[QuantizedWeight], bias: bool) -> None:
+    def __init__(self, parts: list[QuantizedWeight], bias: bool, pack_parts: bool = False) -> None:
         super().__init__()
-        self.parts = _merge_alike(parts)
+        merged = _merge_alike(parts)
+        self.parts = [pack(p) if pack_parts and packs(p) else p for p in merged]
         self.in_features = parts[0].in_features
         self.out_features = sum(p.out_features for p in parts)
         self.bias = nn.Parameter(torch.empty(self.out_features), requires_grad=False) if bias else None
