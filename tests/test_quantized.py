@@ -239,7 +239,7 @@ def test_quantization_is_refused_off_a_single_cpu_rank() -> None:
 
 # --- Q4_0 and Q4_1 repacked for the integer kernel (AVX512-VNNI) -------------------------------------
 
-PACKED_KINDS = (Q.Q4_0, Q.Q4_1)
+PACKED_KINDS = (Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K)
 HAS_VNNI = {"avx512_vnni", "avx512_bf16"} <= set(native.cpu_flags().split())
 
 
@@ -250,14 +250,16 @@ def test_the_integer_kernel_is_built_where_the_cpu_has_avx512_vnni() -> None:
 
 @pytest.mark.parametrize("kind", PACKED_KINDS, ids=lambda k: k.name)
 def test_packing_moves_the_bytes_in_place_and_unpacks_to_them(kind: Q) -> None:
-    weight, exact = _weight(kind, 48, 256, seed=4)
+    weight, exact = _weight(kind, 48, 512, seed=4)
     raw = weight.data.clone()
     packed = quantized.pack(weight)
     assert packed.data.data_ptr() == weight.data.data_ptr()  # no second copy of the model
     assert not torch.equal(packed.data, raw) and torch.equal(packed.data.flatten().sort()[0], raw.flatten().sort()[0])
     assert torch.equal(packed.unpacked(0, 48).data, raw)
     assert torch.equal(packed.unpacked(16, 48).data, raw[16:48])
-    x = torch.randn(20, 256)  # float32 activations: the dequantized tiles, float32 sums
+    index = torch.tensor([47, 3, 3, 20, 0])
+    assert torch.equal(packed.rows(index).data, raw[index])  # a tied embedding's lookups
+    x = torch.randn(20, 512)  # float32 activations: the dequantized tiles, float32 sums
     bound = 1e-5 * (x.double().abs() @ exact.abs().T).max().item()
     assert (matmul(x, packed).double() - x.double() @ exact.T).abs().max().item() < bound
 
@@ -283,20 +285,28 @@ def test_the_integer_product_is_within_the_outputs_bf16_rounding(kind: Q, rows: 
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral"])
-def test_a_bf16_model_holds_its_q4_0_matrices_packed(family: str, monkeypatch, tmp_path) -> None:
-    """Mistral's LM head is tied: the embedding's rows, which lookups read as stored, so it is never packed."""
-    spec = dataclasses.replace(FAMILIES[family], quant={"attn_v": Q.Q8_0, "": Q.Q4_0})
+def test_a_bf16_model_holds_its_matrices_packed(family: str, monkeypatch, tmp_path) -> None:
+    """Mistral's LM head is tied: packed once, and the embedding looks its rows up in the packed weight."""
+    spec = dataclasses.replace(FAMILIES[family], quant={"attn_v": Q.Q8_0, "ffn_down": Q.Q4_1, "": Q.Q4_0})
     path = tmp_path / "tiny.gguf"
     write_gguf(save_tiny_family(tmp_path / "hf", spec), path, spec)
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    packed = "PackedWeight" if HAS_VNNI else "QuantizedWeight"
+    llm = LLM(model=path, dtype="bfloat16", num_kv_blocks=64)
+    model = llm.engine.loaded.model
 
-    def parts(dtype: str, name: str) -> set[str]:
-        model = LLM(model=path, dtype=dtype, num_kv_blocks=64).engine.loaded.model
+    def parts(name: str) -> set[str]:
         return {type(part).__name__ for part in model.get_submodule(name).parts}
 
-    packed = "PackedWeight" if HAS_VNNI else "QuantizedWeight"
-    tied = family == "mistral"
-    assert parts("bfloat16", "layers.0.mlp.gate_up_proj") == {packed}
-    assert parts("bfloat16", "layers.0.self_attn.qkv_proj") == {packed, "QuantizedWeight"}  # v is Q8_0
-    assert parts("bfloat16", "lm_head") == {"QuantizedWeight" if tied else packed}
-    assert parts("float32", "layers.0.mlp.gate_up_proj") == {"QuantizedWeight"}
+    assert parts("layers.0.mlp.gate_up_proj") == parts("layers.0.mlp.down_proj") == parts("lm_head") == {packed}
+    assert parts("layers.0.self_attn.qkv_proj") == {packed, "QuantizedWeight"}  # v is Q8_0
+    if family == "mistral":
+        assert model.embed_tokens.table is model.lm_head.parts[0]
+    # the same greedy tokens as the float32 model on the same file (wide random weights: few near-ties)
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 380) for _ in range(n)] for n in (3, 17, 40)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    bf16 = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    float32 = LLM(model=path, dtype="float32", num_kv_blocks=64)
+    assert {type(p).__name__ for p in float32.engine.loaded.model.lm_head.parts} == {"QuantizedWeight"}
+    assert bf16 == [o.outputs[0].token_ids for o in float32.generate(prompts, params, use_tqdm=False)]

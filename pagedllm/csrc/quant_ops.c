@@ -415,51 +415,61 @@ DEFINE_KERNELS(q4_k, 144, 256)
 DEFINE_KERNELS(q5_k, 176, 256)
 DEFINE_KERNELS(q6_k, 210, 256)
 
-/* ---- Q4_0 and Q4_1 repacked for integer dot products (AVX512-VNNI) -------------------------------- */
+/* ---- Q4_0, Q4_1, Q4_K and Q6_K repacked for integer dot products (AVX512-VNNI) --------------------- */
 
 /* At load, each group of X16 rows is repacked block by block into X16 rows side by side (llama.cpp's
- * "repack" idea): for block b, the X16 rows' fp16 scales (and then, for Q4_1, their fp16 minimums), then
- * four 64-byte runs; run t holds bytes 4t..4t+3 of every row's 16 bytes of nibbles, row after row. A
- * block of X16 rows is the same bytes as before (288 or 320), moved: the low nibbles of run t are values
- * 4t..4t+3 of each row, its high nibbles values 16+4t..16+4t+3. Split into 16-bit words, a pair of them
- * meets a pair of activations broadcast to every lane in one vpdpwssd, and each lane's int32 sum is one
- * row's.
+ * "repack" idea). The caller describes a type's block as segments (offset, size) that cover it: the packed
+ * block holds segment 0 of each of the X16 rows, row after row, then segment 1 of each, and so on. The same
+ * bytes, moved: a packed block of X16 rows is X16 blocks long. The segments (pagedllm.models.quantized
+ * says which) put the X16 rows' scales side by side, one vector load for all, and cut the values into
+ * runs of 4 bytes: a run of X16 rows is one 64-byte vector whose nibbles (or 6-bit values) hold four
+ * values of each row. Split into 16-bit words, a pair of them meets a pair of activations broadcast to
+ * every lane in one vpdpwssd, and each lane's int32 sum is one row's.
  *
  * Activations are quantized per block of 32 to int16 with a float32 scale (amax / 32767). llama.cpp
- * quantizes them to int8 here (its Q8_0), twice the products per instruction; int16 keeps the product as
- * close to float32 as the bf16 path's (int8 was measured at 3.4x the bf16 path's mean KL on the default
- * model, docs/PERFORMANCE.md), and one row is bound by the weights' read either way. Q4_0's offset of 8 and
- * Q4_1's minimum are applied once per block, by the sum of the block's quantized activations. */
+ * quantizes them to int8 here (its Q8_0 and Q8_K), twice the products per instruction; int16 keeps the
+ * product as close to float32 as the bf16 path's (int8 was measured at 3.4x the bf16 path's mean KL on the
+ * default model, docs/PERFORMANCE.md), and one row is bound by the weights' read either way. Offsets (Q4_0's
+ * 8, Q6_K's 32) and minimums (Q4_1's, Q4_K's) are applied once per (sub-)block, by the sums of the
+ * quantized activations, so that their error and the values' cancel as in the product with the
+ * quantized row. */
 #define X16 16
 
-void pack_q4_x16(const uint8_t *w, int64_t n, int64_t k, int64_t header, uint8_t *out) {
-    const int64_t blocks = k / QK, bytes = header + 16, fields = header / 2, group_bytes = X16 * blocks * bytes;
+/* Block b of the X16 rows from `w` (GGUF's layout, `blocks` blocks of `bytes` a row) packed into `dst`. */
+static void pack_block(const uint8_t *w, int64_t blocks, int64_t bytes, int64_t b, const int32_t *segments,
+                       int64_t count, uint8_t *dst) {
+    for (int64_t s = 0; s < count; s++) {
+        const int32_t offset = segments[2 * s], size = segments[2 * s + 1];
+        for (int r = 0; r < X16; r++) memcpy(dst + r * size, w + (r * blocks + b) * bytes + offset, (size_t)size);
+        dst += X16 * size;
+    }
+}
+
+void pack_x16(const uint8_t *w, int64_t n, int64_t blocks, int64_t bytes, const int32_t *segments, int64_t count,
+              uint8_t *out) {
+    const int64_t group_bytes = X16 * blocks * bytes;
     /* a group at a time through a buffer, so that `out` may be `w` (repacked in place, no second copy) */
     uint8_t *buffer = (uint8_t *)malloc((size_t)group_bytes);
     for (int64_t g = 0; g < n / X16; g++) {
-        for (int64_t b = 0; b < blocks; b++) {
-            uint8_t *dst = buffer + b * X16 * bytes;
-            for (int r = 0; r < X16; r++) {
-                const uint8_t *src = w + g * group_bytes + (r * blocks + b) * bytes;
-                for (int64_t f = 0; f < fields; f++) memcpy(dst + (f * X16 + r) * 2, src + 2 * f, 2);
-                for (int t = 0; t < 4; t++) memcpy(dst + X16 * header + t * 4 * X16 + 4 * r, src + header + 4 * t, 4);
-            }
-        }
+        for (int64_t b = 0; b < blocks; b++)
+            pack_block(w + g * group_bytes, blocks, bytes, b, segments, count, buffer + b * X16 * bytes);
         memcpy(out + g * group_bytes, buffer, (size_t)group_bytes);
     }
     free(buffer);
 }
 
-/* The inverse of pack_q4_x16, for `n` rows (a multiple of X16) starting at a group's first row. */
-void unpack_q4_x16(const uint8_t *packed, int64_t n, int64_t k, int64_t header, uint8_t *w) {
-    const int64_t blocks = k / QK, bytes = header + 16, fields = header / 2;
+/* The inverse of pack_x16, for `n` rows (a multiple of X16) starting at a group's first row; `w` is not
+ * `packed`. */
+void unpack_x16(const uint8_t *packed, int64_t n, int64_t blocks, int64_t bytes, const int32_t *segments, int64_t count,
+                uint8_t *w) {
     for (int64_t g = 0; g < n / X16; g++)
         for (int64_t b = 0; b < blocks; b++) {
             const uint8_t *src = packed + (g * blocks + b) * X16 * bytes;
-            for (int r = 0; r < X16; r++) {
-                uint8_t *dst = w + ((g * X16 + r) * blocks + b) * bytes;
-                for (int64_t f = 0; f < fields; f++) memcpy(dst + 2 * f, src + (f * X16 + r) * 2, 2);
-                for (int t = 0; t < 4; t++) memcpy(dst + header + 4 * t, src + X16 * header + t * 4 * X16 + 4 * r, 4);
+            uint8_t *rows = w + g * X16 * blocks * bytes;
+            for (int64_t s = 0; s < count; s++) {
+                const int32_t offset = segments[2 * s], size = segments[2 * s + 1];
+                for (int r = 0; r < X16; r++) memcpy(rows + (r * blocks + b) * bytes + offset, src + r * size, (size_t)size);
+                src += X16 * size;
             }
         }
 }
@@ -468,13 +478,22 @@ void unpack_q4_x16(const uint8_t *packed, int64_t n, int64_t k, int64_t header, 
 #define VNNI_ROWS 4
 #define VNNI_CHUNK 64
 
-/* bf16 activations, `count` blocks of 32, to int16 values with one float32 scale a block (amax / 32767,
- * rounded to nearest), in the order the kernel pairs them: quad t (values 4t.. for t < 4, 16 + 4(t - 4)..
- * after) as the pairs (0, 2) and (1, 3), the words the weights' split gives. And each block's sum of the
- * quantized values, as it is (for Q4_0's offset, applied in integers) and scaled (for Q4_1's minimums: the
- * sum of the quantized activations, so that the minimum's error and the values' cancel as in the product
- * with the quantized row). */
-static void quantize_blocks_q16(const uint16_t *x, int64_t count, int16_t *q, float *scale, int32_t *qsum, float *xsum) {
+/* m rows of activations quantized per block of 32: int16 values in the order the kernels pair them (quad
+ * t, values 4t..4t+3, as the words (0, 2) and (1, 3)), a float32 scale a block, and sums of the quantized
+ * values: per block as they are (`qsum`) and scaled (`xsum`), and per half block (`qhalf`, Q6_K's
+ * sub-blocks of 16). Block c of row i is at i * blocks + c. */
+typedef struct {
+    int16_t *q;
+    float *scale, *xsum;
+    int32_t *qsum, *qhalf;
+    int64_t blocks;
+} Activations;
+
+static Activations quantize_activations(const uint16_t *x, int64_t m, int64_t k) {
+    const int64_t count = m * (k / QK);
+    Activations a = {(int16_t *)malloc((size_t)(m * k) * sizeof(int16_t)), (float *)malloc((size_t)count * sizeof(float)),
+                     (float *)malloc((size_t)count * sizeof(float)), (int32_t *)malloc((size_t)count * sizeof(int32_t)),
+                     (int32_t *)malloc((size_t)count * 2 * sizeof(int32_t)), k / QK};
     for (int64_t i = 0; i < count; i++) {
         const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + i * QK))), 16));
         const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + i * QK + 16))), 16));
@@ -485,95 +504,205 @@ static void quantize_blocks_q16(const uint16_t *x, int64_t count, int16_t *q, fl
         int32_t v[32];
         _mm512_storeu_si512(v, qlo);
         _mm512_storeu_si512(v + 16, qhi);
-        int16_t *dst = q + i * QK;
+        int16_t *dst = a.q + i * QK;
         for (int t = 0; t < 8; t++) {
-            const int base = t < 4 ? 4 * t : 16 + 4 * (t - 4);
-            dst[4 * t] = (int16_t)v[base];
-            dst[4 * t + 1] = (int16_t)v[base + 2];
-            dst[4 * t + 2] = (int16_t)v[base + 1];
-            dst[4 * t + 3] = (int16_t)v[base + 3];
+            dst[4 * t] = (int16_t)v[4 * t];
+            dst[4 * t + 1] = (int16_t)v[4 * t + 2];
+            dst[4 * t + 2] = (int16_t)v[4 * t + 1];
+            dst[4 * t + 3] = (int16_t)v[4 * t + 3];
         }
-        scale[i] = d;
-        qsum[i] = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
-        xsum[i] = d * (float)qsum[i];
+        a.scale[i] = d;
+        a.qhalf[2 * i] = _mm512_reduce_add_epi32(qlo);
+        a.qhalf[2 * i + 1] = _mm512_reduce_add_epi32(qhi);
+        a.qsum[i] = a.qhalf[2 * i] + a.qhalf[2 * i + 1];
+        a.xsum[i] = d * (float)a.qsum[i];
+    }
+    return a;
+}
+
+static void release(Activations *a) {
+    free(a->q);
+    free(a->scale);
+    free(a->xsum);
+    free(a->qsum);
+    free(a->qhalf);
+}
+
+/* The words of a run's 4-bit (or 6-bit) values: lanes' values (0, 2) and (1, 3). */
+static inline __m512i even_words(__m512i v) { return _mm512_and_si512(v, _mm512_set1_epi16(0x00FF)); }
+static inline __m512i odd_words(__m512i v) { return _mm512_srli_epi16(v, 8); }
+
+/* sums[i] += the run's values `v` times activation quad t of block `c` of row `i`. */
+static inline void dot_quad(__m512i v, const Activations *a, int64_t row, int64_t c, int t, int mt, __m512i *sums) {
+    const __m512i even = even_words(v), odd = odd_words(v);
+    for (int i = 0; i < mt; i++) {
+        const int32_t *pairs = (const int32_t *)(a->q + ((row + i) * a->blocks + c) * QK);
+        sums[i] = _mm512_dpwssd_epi32(sums[i], even, _mm512_set1_epi32(pairs[2 * t]));
+        sums[i] = _mm512_dpwssd_epi32(sums[i], odd, _mm512_set1_epi32(pairs[2 * t + 1]));
     }
 }
 
-/* One block of X16 rows against `mt` quantized activation rows: acc[i] gains each row's block product. */
-static inline void vnni_block(const uint8_t *blk, int header, const int32_t *xq, const float *scale, const int32_t *qsum,
-                              const float *xsum, int64_t stride, int mt, __m512 *acc) {
-    const __m512i nibble = _mm512_set1_epi8(0x0F), low_bytes = _mm512_set1_epi16(0x00FF);
-    const uint8_t *runs = blk + X16 * header;
+/* Q4_0 (`has_min` 0) and Q4_1 blocks: X16 scales (and minimums) as fp16, then four runs of nibbles. */
+static inline void q4_block(const uint8_t *blk, int has_min, const Activations *a, int64_t row, int64_t c, int mt, __m512 *acc) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    const uint8_t *runs = blk + X16 * (has_min ? 4 : 2);
     __m512i sums[VNNI_ROWS];
     /* Q4_0's values are q - 8: the offset times the activations' sum starts the integer sum */
-    for (int i = 0; i < mt; i++) sums[i] = _mm512_set1_epi32(header == 2 ? -8 * qsum[i * stride] : 0);
+    for (int i = 0; i < mt; i++) sums[i] = _mm512_set1_epi32(has_min ? 0 : -8 * a->qsum[(row + i) * a->blocks + c]);
     for (int t = 0; t < 4; t++) {
         const __m512i run = _mm512_loadu_si512((const void *)(runs + 64 * t));
-        const __m512i a = _mm512_and_si512(run, nibble), b = _mm512_and_si512(_mm512_srli_epi16(run, 4), nibble);
-        const __m512i a0 = _mm512_and_si512(a, low_bytes), a1 = _mm512_srli_epi16(a, 8);
-        const __m512i b0 = _mm512_and_si512(b, low_bytes), b1 = _mm512_srli_epi16(b, 8);
-        for (int i = 0; i < mt; i++) {
-            const int32_t *xb = xq + i * stride * 16;
-            sums[i] = _mm512_dpwssd_epi32(sums[i], a0, _mm512_set1_epi32(xb[2 * t]));
-            sums[i] = _mm512_dpwssd_epi32(sums[i], a1, _mm512_set1_epi32(xb[2 * t + 1]));
-            sums[i] = _mm512_dpwssd_epi32(sums[i], b0, _mm512_set1_epi32(xb[2 * t + 8]));
-            sums[i] = _mm512_dpwssd_epi32(sums[i], b1, _mm512_set1_epi32(xb[2 * t + 9]));
-        }
+        dot_quad(_mm512_and_si512(run, nibble), a, row, c, t, mt, sums);
+        dot_quad(_mm512_and_si512(_mm512_srli_epi16(run, 4), nibble), a, row, c, t + 4, mt, sums);
     }
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
     for (int i = 0; i < mt; i++) {
-        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[i]), _mm512_mul_ps(d, _mm512_set1_ps(scale[i * stride])), acc[i]);
-        if (header == 4) {
+        const int64_t at = (row + i) * a->blocks + c;
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[i]), _mm512_mul_ps(d, _mm512_set1_ps(a->scale[at])), acc[i]);
+        if (has_min) {
             const __m512 least = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 2 * X16)));
-            acc[i] = _mm512_fmadd_ps(least, _mm512_set1_ps(xsum[i * stride]), acc[i]);
+            acc[i] = _mm512_fmadd_ps(least, _mm512_set1_ps(a->xsum[at]), acc[i]);
         }
     }
 }
 
-static inline void vnni_group(const uint8_t *group, int64_t blocks, int header, const int16_t *xq, const float *scale,
-                              const int32_t *qsum, const float *xsum, int mt, uint16_t *y, int64_t n) {
-    __m512 acc[VNNI_ROWS];
-    for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();
-    const int64_t bytes = X16 * (header + 16);
-    /* the activation's values of block b are its int32 words (pairs) 16b .. 16b+15; `blocks` blocks a row */
-    for (int64_t b = 0; b < blocks; b++)
-        vnni_block(group + b * bytes, header, (const int32_t *)xq + 16 * b, scale + b, qsum + b, xsum + b, blocks, mt, acc);
-    for (int i = 0; i < mt; i++) _mm256_storeu_si256((__m256i *)(y + i * n), (__m256i)_mm512_cvtneps_pbh(acc[i]));
+static inline void q4_0_block(const uint8_t *blk, const Activations *a, int64_t row, int64_t b, int mt, __m512 *acc) {
+    q4_block(blk, 0, a, row, b, mt, acc);
 }
 
-/* y = x @ W.T for bf16 x `[m, k]` and W packed by pack_q4_x16 (`header` 2: Q4_0, 4: Q4_1), y in bf16. */
-void gemm_vnni_q4_x16(const uint16_t *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, int64_t header, uint16_t *y) {
-    const int64_t blocks = k / QK, count = m * blocks, group_bytes = blocks * X16 * (header + 16);
-    int16_t *xq = (int16_t *)malloc((size_t)(m * k) * sizeof(int16_t));
-    float *scale = (float *)malloc((size_t)count * sizeof(float)), *xsum = (float *)malloc((size_t)count * sizeof(float));
-    int32_t *qsum = (int32_t *)malloc((size_t)count * sizeof(int32_t));
-    quantize_blocks_q16(x, count, xq, scale, qsum, xsum);
-    /* Each thread takes a share of the groups and goes through the activation rows a chunk at a time, so a
-     * chunk of quantized rows stays in its L2 while its groups pass (a group's blocks are 18-74 KB). */
-    _Pragma("omp parallel")
-    {
-        const int64_t groups = n / X16, threads = omp_get_num_threads(), id = omp_get_thread_num();
-        const int64_t first = groups * id / threads, last = groups * (id + 1) / threads;
-        for (int64_t chunk = 0; chunk < m; chunk += VNNI_CHUNK)
-            for (int64_t g = first; g < last; g++)
-                for (int64_t i = chunk; i < m && i < chunk + VNNI_CHUNK; i += VNNI_ROWS) {
-                    const int64_t at = i * blocks;
-                    const uint8_t *group = w + g * group_bytes;
-                    uint16_t *out = y + i * n + g * X16;
-                    /* a constant row count at each call, so that the accumulators stay in registers */
-                    switch (m - i) {
-                    case 1: vnni_group(group, blocks, (int)header, xq + i * k, scale + at, qsum + at, xsum + at, 1, out, n); break;
-                    case 2: vnni_group(group, blocks, (int)header, xq + i * k, scale + at, qsum + at, xsum + at, 2, out, n); break;
-                    case 3: vnni_group(group, blocks, (int)header, xq + i * k, scale + at, qsum + at, xsum + at, 3, out, n); break;
-                    default: vnni_group(group, blocks, (int)header, xq + i * k, scale + at, qsum + at, xsum + at, VNNI_ROWS, out, n);
-                    }
-                }
-    }
-    free(xq);
-    free(scale);
-    free(xsum);
-    free(qsum);
+static inline void q4_1_block(const uint8_t *blk, const Activations *a, int64_t row, int64_t b, int mt, __m512 *acc) {
+    q4_block(blk, 1, a, row, b, mt, acc);
 }
+
+/* 16 bytes, one per row, to floats. */
+static inline __m512 bytes_to_floats(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)); }
+
+/* Q4_K super-blocks: d and dmin (fp16, X16 each), the 12 bytes of 6-bit scales and minimums (X16 of each
+ * byte), then 32 runs of nibbles: run 8c + j holds bytes 32c + 4j.. of each row, whose low nibbles are
+ * values 4j.. of sub-block 2c and high nibbles the same of sub-block 2c + 1. */
+static inline void q4_k_block(const uint8_t *blk, const Activations *a, int64_t row, int64_t b, int mt, __m512 *acc) {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 2 * X16)));
+    const uint8_t *q = blk + 4 * X16, *runs = blk + 16 * X16;
+    const __m128i six = _mm_set1_epi8(63), four = _mm_set1_epi8(0x0F), top = _mm_set1_epi8((char)0xC0);
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+#define SCALE_BYTE(j) _mm_loadu_si128((const __m128i *)(q + (j) * X16))
+    for (int c = 0; c < 4; c++) {
+        __m512 scales[2], mins[2];
+        for (int h = 0; h < 2; h++) {
+            const int s = 2 * c + h;
+            __m128i sc, mn;
+            if (s < 4) {
+                sc = _mm_and_si128(SCALE_BYTE(s), six);
+                mn = _mm_and_si128(SCALE_BYTE(s + 4), six);
+            } else {
+                /* the low 4 bits from byte s + 4, the top 2 from the top of byte s - 4 (s for the minimum) */
+                const __m128i low = SCALE_BYTE(s + 4);
+                sc = _mm_or_si128(_mm_and_si128(low, four), _mm_srli_epi16(_mm_and_si128(SCALE_BYTE(s - 4), top), 2));
+                mn = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(low, 4), four), _mm_srli_epi16(_mm_and_si128(SCALE_BYTE(s), top), 2));
+            }
+            scales[h] = _mm512_mul_ps(d, bytes_to_floats(sc));
+            mins[h] = _mm512_mul_ps(dmin, bytes_to_floats(mn));
+        }
+        __m512i low[VNNI_ROWS], high[VNNI_ROWS];
+        for (int i = 0; i < mt; i++) low[i] = high[i] = _mm512_setzero_si512();
+        const int64_t first = 8 * b + 2 * c; /* the activations' block of sub-block 2c */
+        for (int j = 0; j < 8; j++) {
+            const __m512i run = _mm512_loadu_si512((const void *)(runs + 64 * (8 * c + j)));
+            dot_quad(_mm512_and_si512(run, nibble), a, row, first, j, mt, low);
+            dot_quad(_mm512_and_si512(_mm512_srli_epi16(run, 4), nibble), a, row, first + 1, j, mt, high);
+        }
+        for (int i = 0; i < mt; i++) {
+            const int64_t at = (row + i) * a->blocks + first;
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(low[i]), _mm512_mul_ps(scales[0], _mm512_set1_ps(a->scale[at])), acc[i]);
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(high[i]), _mm512_mul_ps(scales[1], _mm512_set1_ps(a->scale[at + 1])), acc[i]);
+            acc[i] = _mm512_fnmadd_ps(mins[0], _mm512_set1_ps(a->xsum[at]), acc[i]);
+            acc[i] = _mm512_fnmadd_ps(mins[1], _mm512_set1_ps(a->xsum[at + 1]), acc[i]);
+        }
+    }
+#undef SCALE_BYTE
+}
+
+/* Q6_K super-blocks: d (fp16, X16), the 16 int8 sub-block scales (X16 of each), then for each half h and
+ * quad j three runs: low-nibble bytes 64h + 4j.. (A) and 64h + 32 + 4j.. (B), high-bit bytes 32h + 4j.. (H).
+ * Of each row, A's low nibbles with H's bits 0-1 are values 128h + 4j.., B's low with bits 2-3 values
+ * 128h + 32 + 4j.., A's high with bits 4-5 values 128h + 64 + 4j.., B's high with bits 6-7 128h + 96 + 4j.. */
+static inline void q6_k_block(const uint8_t *blk, const Activations *a, int64_t row, int64_t b, int mt, __m512 *acc) {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+    const int8_t *sc = (const int8_t *)(blk + 2 * X16);
+    const uint8_t *runs = blk + 18 * X16;
+    const __m512i nibble = _mm512_set1_epi8(0x0F), pair = _mm512_set1_epi8(0x30);
+    for (int h = 0; h < 2; h++)
+        for (int half = 0; half < 2; half++) { /* quads 4 half .. 4 half + 3: sub-blocks 8h + 2 type + half */
+            __m512i sums[4][VNNI_ROWS];
+            for (int type = 0; type < 4; type++)
+                for (int i = 0; i < mt; i++) {
+                    /* values q - 32: the offset times the activations' sum over the sub-block starts its sum */
+                    const int64_t at = (row + i) * a->blocks + 8 * b + 4 * h + type;
+                    sums[type][i] = _mm512_set1_epi32(-32 * a->qhalf[2 * at + half]);
+                }
+            for (int j = 4 * half; j < 4 * half + 4; j++) {
+                const uint8_t *run = runs + 192 * (8 * h + j);
+                const __m512i A = _mm512_loadu_si512((const void *)run), B = _mm512_loadu_si512((const void *)(run + 64));
+                const __m512i H = _mm512_loadu_si512((const void *)(run + 128));
+                const __m512i values[4] = {
+                    _mm512_or_si512(_mm512_and_si512(A, nibble), _mm512_and_si512(_mm512_slli_epi16(H, 4), pair)),
+                    _mm512_or_si512(_mm512_and_si512(B, nibble), _mm512_and_si512(_mm512_slli_epi16(H, 2), pair)),
+                    _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(A, 4), nibble), _mm512_and_si512(H, pair)),
+                    _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(B, 4), nibble), _mm512_and_si512(_mm512_srli_epi16(H, 2), pair)),
+                };
+                for (int type = 0; type < 4; type++) dot_quad(values[type], a, row, 8 * b + 4 * h + type, j, mt, sums[type]);
+            }
+            for (int type = 0; type < 4; type++) {
+                const int sub = 8 * h + 2 * type + half;
+                const __m512 scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sc + sub * X16)))));
+                for (int i = 0; i < mt; i++) {
+                    const int64_t at = (row + i) * a->blocks + 8 * b + 4 * h + type;
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[type][i]), _mm512_mul_ps(scale, _mm512_set1_ps(a->scale[at])), acc[i]);
+                }
+            }
+        }
+}
+
+/* y = x @ W.T for bf16 x `[m, k]` and W packed by pack_x16 (blocks of QB values, BYTES a row's block), y
+ * in bf16. Each thread takes a share of the groups and goes through the activation rows a chunk at a time,
+ * so a chunk of quantized rows stays in its L2 while its groups pass (a group's blocks are 18-74 KB). */
+#define DEFINE_GEMM_VNNI(TYPE, BYTES, QB)                                                                  \
+    static inline void TYPE##_group(const uint8_t *group, int64_t blocks, const Activations *a, int64_t row, \
+                                    int mt, uint16_t *y, int64_t n) {                                      \
+        __m512 acc[VNNI_ROWS];                                                                              \
+        for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();                                          \
+        for (int64_t b = 0; b < blocks; b++) TYPE##_block(group + b * X16 * (BYTES), a, row, b, mt, acc);   \
+        for (int i = 0; i < mt; i++) _mm256_storeu_si256((__m256i *)(y + i * n), (__m256i)_mm512_cvtneps_pbh(acc[i])); \
+    }                                                                                                       \
+                                                                                                            \
+    void gemm_vnni_##TYPE(const uint16_t *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, uint16_t *y) { \
+        const int64_t blocks = k / (QB), group_bytes = blocks * X16 * (BYTES);                             \
+        Activations a = quantize_activations(x, m, k);                                                      \
+        _Pragma("omp parallel")                                                                             \
+        {                                                                                                   \
+            const int64_t groups = n / X16, threads = omp_get_num_threads(), id = omp_get_thread_num();     \
+            const int64_t first = groups * id / threads, last = groups * (id + 1) / threads;                \
+            for (int64_t chunk = 0; chunk < m; chunk += VNNI_CHUNK)                                         \
+                for (int64_t g = first; g < last; g++)                                                      \
+                    for (int64_t i = chunk; i < m && i < chunk + VNNI_CHUNK; i += VNNI_ROWS) {              \
+                        const uint8_t *group = w + g * group_bytes;                                         \
+                        uint16_t *out = y + i * n + g * X16;                                                \
+                        /* a constant row count at each call, so that the accumulators stay in registers */ \
+                        switch (m - i) {                                                                    \
+                        case 1: TYPE##_group(group, blocks, &a, i, 1, out, n); break;                       \
+                        case 2: TYPE##_group(group, blocks, &a, i, 2, out, n); break;                       \
+                        case 3: TYPE##_group(group, blocks, &a, i, 3, out, n); break;                       \
+                        default: TYPE##_group(group, blocks, &a, i, VNNI_ROWS, out, n);                     \
+                        }                                                                                   \
+                    }                                                                                       \
+        }                                                                                                   \
+        release(&a);                                                                                        \
+    }
+
+DEFINE_GEMM_VNNI(q4_0, 18, 32)
+DEFINE_GEMM_VNNI(q4_1, 20, 32)
+DEFINE_GEMM_VNNI(q4_k, 144, 256)
+DEFINE_GEMM_VNNI(q6_k, 210, 256)
 
 int has_vnni_gemm(void) { return 1; }
 #else

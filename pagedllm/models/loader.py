@@ -18,7 +18,7 @@ from pagedllm.distributed.parallel import Shard
 from pagedllm.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from pagedllm.models.decoder import CausalLM, Embedding, Linear
 from pagedllm.models.moe import moe_weights
-from pagedllm.models.quantized import QuantizedEmbedding, QuantizedLinear, QuantizedWeight
+from pagedllm.models.quantized import PackedWeight, QuantizedEmbedding, QuantizedLinear, QuantizedWeight
 from pagedllm.models.tensor_parallel import shard_model
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "LoadedModel", "load_model", "resolve_model_folder"]
@@ -145,7 +145,7 @@ def _gguf_source(model: str | Path | None) -> Path | None:
 def _quantize_modules(net: CausalLM, weights: Mapping[str, QuantizedWeight], dtype: torch.dtype) -> None:
     """Each linear layer whose every checkpoint part is in `weights`, and the embedding if it is, become their
     quantized forms; their weights are then not read from the dequantized folder."""
-    embedding = weights.get("model.embed_tokens.weight")
+    embedding: QuantizedWeight | PackedWeight | None = weights.get("model.embed_tokens.weight")
     for name, module in list(net.named_modules()):
         if not isinstance(module, Linear):
             continue
@@ -155,9 +155,10 @@ def _quantize_modules(net: CausalLM, weights: Mapping[str, QuantizedWeight], dty
         else:
             parts = [weights.get(key) for key in _checkpoint_keys(weights, f"{name}.weight")]
         if parts and all(part is not None for part in parts):
-            # the embedding's lookups read a tied head's rows in GGUF's layout: repacking would hold it twice
-            pack_parts = dtype == torch.bfloat16 and not tied
-            net.set_submodule(name, QuantizedLinear(parts, bias=module.bias is not None, pack_parts=pack_parts))
+            layer = QuantizedLinear(parts, bias=module.bias is not None, pack_parts=dtype == torch.bfloat16)
+            net.set_submodule(name, layer)
+            if tied:  # packed in place, if at all: the embedding's lookups read the head's rows
+                embedding = layer.parts[0]
     if embedding is not None:
         net.embed_tokens = QuantizedEmbedding(embedding, dtype, net.embed_tokens.scale)
 

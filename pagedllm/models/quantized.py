@@ -5,7 +5,7 @@ the K-quants Q4_K, Q5_K and Q6_K have C kernels (`pagedllm/csrc/quant_ops.c`): f
 straight from the blocks (float32, or bf16 dot products where the CPU has AVX512-BF16), many rows (prefill,
 big batches) dequantize the weight a tile at a time into the activations' dtype for torch's GEMM. Without a
 compiler (or with PAGEDLLM_NATIVE=0) both go through gguf's own dequantization, the portable path: the same
-numbers, slower. Where the CPU has AVX512-VNNI, a bf16 model's Q4_0 and Q4_1 matrices are repacked at
+numbers, slower. Where the CPU has AVX512-VNNI, a bf16 model's Q4_0, Q4_1, Q4_K and Q6_K matrices are repacked at
 load, 16 rows side by side, and meet every row count in integer dot products (`PackedWeight`). Other
 quantized types (Q5_0, Q2_K, the IQ types, ...) have no kernel yet and are dequantized once at load
 (`holds_quantized` says which).
@@ -58,10 +58,33 @@ _LUT_KINDS = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantiza
 # A dequantized tile of a weight, on the many-row path: small enough to stay in a core's L2 cache.
 TILE_BYTES = 2 << 20
 _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
-# Q4_0 and Q4_1 weights of a bf16 model are repacked at load, 16 rows side by side, where the CPU has
-# AVX512-VNNI (`pack_q4_x16`): the value is the bytes of a block's fp16 fields (scale, and Q4_1's minimum).
-_PACKED_HEADERS = {GGMLQuantizationType.Q4_0: 2, GGMLQuantizationType.Q4_1: 4}
-# bf16 activations meet a packed weight in int8 dot products (`gemm_vnni_q4_x16`) at every row count: from
+
+
+def _runs(start: int, count: int) -> list[tuple[int, int]]:
+    return [(start + 4 * t, 4) for t in range(count)]
+
+
+def _q6_k_runs() -> list[tuple[int, int]]:
+    """Per half h and quad j: low-nibble bytes 64h + 4j and 64h + 32 + 4j, high-bit bytes 128 + 32h + 4j."""
+    return [
+        (at, 4)
+        for h in range(2)
+        for j in range(8)
+        for at in (64 * h + 4 * j, 64 * h + 32 + 4 * j, 128 + 32 * h + 4 * j)
+    ]
+
+
+# The types a bf16 model's matrices are repacked in at load, 16 rows side by side, where the CPU has
+# AVX512-VNNI: each block as segments (offset, size) that `pack_x16` gathers across the 16 rows (the fp16
+# scales first, so one load reads all 16; the values in runs of 4 bytes). quant_ops.c says what each
+# kernel reads where.
+_PACKED_SEGMENTS = {
+    GGMLQuantizationType.Q4_0: [(0, 2), *_runs(2, 4)],
+    GGMLQuantizationType.Q4_1: [(0, 2), (2, 2), *_runs(4, 4)],
+    GGMLQuantizationType.Q4_K: [(0, 2), (2, 2), *((4 + j, 1) for j in range(12)), *_runs(16, 32)],
+    GGMLQuantizationType.Q6_K: [(208, 2), *((192 + s, 1) for s in range(16)), *_q6_k_runs()],
+}
+# bf16 activations meet a packed weight in integer dot products (`gemm_vnni_*`) at every row count: from
 # one row (bandwidth) to a prefill's thousands it measured faster than the dequantized tiles into torch's
 # bf16 GEMM (docs/PERFORMANCE.md); float32 activations take the tiles.
 PACK_ROWS = 16
@@ -85,10 +108,10 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.has_bf16_gemm.restype = ctypes.c_int
     names = [(f"gemm_{s}", gemm) for s in _KERNELS.values()]
     names += [(f"dequant_{s}_{t}", dequant) for s in _KERNELS.values() for t in _SUFFIXES.values()]
-    names += [(name, [_PTR, _I64, _I64, _I64, _PTR]) for name in ("pack_q4_x16", "unpack_q4_x16")]
+    names += [(name, [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR]) for name in ("pack_x16", "unpack_x16")]
     lib.has_vnni_gemm.restype = ctypes.c_int
     if lib.has_vnni_gemm():
-        names.append(("gemm_vnni_q4_x16", [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR]))
+        names += [(f"gemm_vnni_{_KERNELS[kind]}", gemm) for kind in _PACKED_SEGMENTS]
     if lib.has_bf16_gemm():
         names += [(f"gemm_bf16_{s}", gemm) for s in _KERNELS.values()]
         names += [(f"gemm_bf16_lut_{_KERNELS[kind]}", gemm) for kind in _LUT_KINDS]
@@ -144,8 +167,8 @@ class QuantizedWeight:
 
 @dataclass(frozen=True, slots=True)
 class PackedWeight:
-    """A Q4_0 or Q4_1 weight repacked for the int8 kernel: `data` holds the same bytes as the GGUF blocks,
-    each block of `PACK_ROWS` rows side by side (`pack_q4_x16` in quant_ops.c says how)."""
+    """A weight repacked for the integer kernel: `data` holds the same bytes as the GGUF blocks,
+    each block of `PACK_ROWS` rows side by side (`pack_x16` in quant_ops.c says how)."""
 
     kind: GGMLQuantizationType
     data: torch.Tensor  # uint8, [out_features, bytes per row] in size only
@@ -157,20 +180,39 @@ class PackedWeight:
 
     def unpacked(self, start: int, end: int) -> QuantizedWeight:
         """Rows `start .. end` (multiples of PACK_ROWS, or `end` the last row) in GGUF's layout, a copy."""
-        lib = library()
-        assert lib is not None and start % PACK_ROWS == 0 and end - start > 0
-        rows = self.data[start:end].contiguous()
-        out = torch.empty_like(rows)
-        lib.unpack_q4_x16(rows.data_ptr(), end - start, self.in_features, _PACKED_HEADERS[self.kind], out.data_ptr())
-        return QuantizedWeight(self.kind, out, self.in_features)
+        assert start % PACK_ROWS == 0 and end > start
+        return _unpack(self.kind, self.data[start:end].contiguous(), self.in_features)
+
+    def rows(self, index: torch.Tensor) -> QuantizedWeight:
+        """Rows `index` in GGUF's layout (a tied embedding's lookups): their groups unpacked, a copy."""
+        groups = torch.unique(index // PACK_ROWS)
+        by_group = self.data.view(-1, PACK_ROWS, self.data.shape[1])
+        unpacked = _unpack(self.kind, by_group[groups].reshape(-1, self.data.shape[1]), self.in_features)
+        at = torch.searchsorted(groups, index // PACK_ROWS) * PACK_ROWS + index % PACK_ROWS
+        return unpacked.rows(at)
+
+
+def _segments(kind: GGMLQuantizationType) -> tuple[ctypes.Array, int]:
+    flat = [value for segment in _PACKED_SEGMENTS[kind] for value in segment]
+    return (ctypes.c_int32 * len(flat))(*flat), len(flat) // 2
+
+
+def _unpack(kind: GGMLQuantizationType, packed: torch.Tensor, in_features: int) -> QuantizedWeight:
+    lib = library()
+    assert lib is not None
+    out = torch.empty_like(packed)
+    block, size = GGML_QUANT_SIZES[kind]
+    segments, count = _segments(kind)
+    lib.unpack_x16(packed.data_ptr(), packed.shape[0], in_features // block, size, segments, count, out.data_ptr())
+    return QuantizedWeight(kind, out, in_features)
 
 
 def packs(weight: QuantizedWeight) -> bool:
-    """Whether `weight` can be repacked for the int8 kernel here: a Q4_0 or Q4_1 weight, whole groups of
+    """Whether `weight` can be repacked for the integer kernel here: a type it has, whole groups of
     rows, on a CPU with AVX512-VNNI."""
     lib = library()
     return (
-        weight.kind in _PACKED_HEADERS
+        weight.kind in _PACKED_SEGMENTS
         and weight.out_features % PACK_ROWS == 0
         and lib is not None
         and bool(lib.has_vnni_gemm())
@@ -183,8 +225,10 @@ def pack(weight: QuantizedWeight) -> PackedWeight:
     lib = library()
     assert lib is not None and weight.data.is_contiguous()
     data = weight.data
-    lib.pack_q4_x16(
-        data.data_ptr(), weight.out_features, weight.in_features, _PACKED_HEADERS[weight.kind], data.data_ptr()
+    block, size = GGML_QUANT_SIZES[weight.kind]
+    segments, count = _segments(weight.kind)
+    lib.pack_x16(
+        data.data_ptr(), weight.out_features, weight.in_features // block, size, segments, count, data.data_ptr()
     )
     return PackedWeight(weight.kind, data, weight.in_features)
 
@@ -235,16 +279,8 @@ def _vnni_product(x: torch.Tensor, weight: PackedWeight, lib: ctypes.CDLL) -> to
     scaled per block in float32, bf16 out."""
     x = x.contiguous()
     out = torch.empty(x.shape[0], weight.out_features, dtype=torch.bfloat16)
-    header = _PACKED_HEADERS[weight.kind]
-    lib.gemm_vnni_q4_x16(
-        x.data_ptr(),
-        x.shape[0],
-        weight.in_features,
-        weight.data.data_ptr(),
-        weight.out_features,
-        header,
-        out.data_ptr(),
-    )
+    kernel = getattr(lib, f"gemm_vnni_{_KERNELS[weight.kind]}")
+    kernel(x.data_ptr(), x.shape[0], weight.in_features, weight.data.data_ptr(), weight.out_features, out.data_ptr())
     return out
 
 
@@ -289,9 +325,10 @@ class QuantizedLinear(nn.Module):
 
 class QuantizedEmbedding(nn.Module):
     """Token embeddings looked up from quantized rows: only the rows a step asks for are dequantized, into
-    the model's `dtype`. Gemma's `scale` as in `decoder.Embedding`."""
+    the model's `dtype`. Gemma's `scale` as in `decoder.Embedding`. The table is a tied LM head's weight,
+    packed, where the head packed it."""
 
-    def __init__(self, table: QuantizedWeight, dtype: torch.dtype, scale: float | None) -> None:
+    def __init__(self, table: QuantizedWeight | PackedWeight, dtype: torch.dtype, scale: float | None) -> None:
         super().__init__()
         self.table = table
         self.dtype = dtype
