@@ -177,3 +177,15 @@ def test_vllm_runs_the_workload_in_its_own_interpreter(tmp_path):
     workload = make_workload("synthetic", 2, 384, 1024)
     result = run_vllm(setup_for(folder, python), workload)
     assert result.engine == "vllm" and result.output_tok_per_s > 0 and result.load_seconds > 0
+
+
+def test_the_quantized_default_in_bf16_is_checked_against_float32(tmp_path, capsys) -> None:
+    """The default GGUF held quantized in bf16 is not transformers' bf16 model (which rounds the weights):
+    its sample is checked against the float32 model's, where it may part at near-ties only."""
+    from pagedllm.cli import main
+
+    args = ["bench", "throughput", "--workload", "synthetic", "--num-prompts", "4", "--dtype", "bfloat16"]
+    assert main([*args, "--engines", "pagedllm", "--out", str(tmp_path)]) == 0
+    capsys.readouterr()
+    [result] = json.loads((tmp_path / "throughput.json").read_text())["results"]
+    assert result["check"].endswith("against float32"), result["check"]
