@@ -415,7 +415,7 @@ DEFINE_KERNELS(q4_k, 144, 256)
 DEFINE_KERNELS(q5_k, 176, 256)
 DEFINE_KERNELS(q6_k, 210, 256)
 
-/* ---- Q4_0, Q4_1, Q8_0, Q4_K and Q6_K repacked for integer dot products (AVX512-VNNI) -------------- */
+/* ---- Q4_0, Q4_1, Q4_K and Q6_K repacked for integer dot products (AVX512-VNNI) --------------------- */
 
 /* At load, each group of X16 rows is repacked block by block into X16 rows side by side (llama.cpp's
  * "repack" idea). The caller describes a type's block as segments (offset, size) that cover it: the packed
@@ -432,7 +432,7 @@ DEFINE_KERNELS(q6_k, 210, 256)
  * default model, docs/PERFORMANCE.md), and one row is bound by the weights' read either way. Offsets (Q4_0's
  * 8, Q6_K's 32) and minimums (Q4_1's, Q4_K's) are applied once per (sub-)block, by the sums of the
  * quantized activations, so that their error and the values' cancel as in the product with the
- * quantized row. Q8_0's signed bytes are sign-extended to the same words. */
+ * quantized row. */
 #define X16 16
 
 /* Block b of the X16 rows from `w` (GGUF's layout, `blocks` blocks of `bytes` a row) packed into `dst`. */
@@ -532,20 +532,14 @@ static void release(Activations *a) {
 static inline __m512i even_words(__m512i v) { return _mm512_and_si512(v, _mm512_set1_epi16(0x00FF)); }
 static inline __m512i odd_words(__m512i v) { return _mm512_srli_epi16(v, 8); }
 
-/* sums[i] += a run's values as words `even` (lanes' values 0, 2) and `odd` (1, 3) times activation quad t of
- * block `c` of row `i`. */
-static inline void dot_words(__m512i even, __m512i odd, const Activations *a, int64_t row, int64_t c, int t, int mt,
-                             __m512i *sums) {
+/* sums[i] += the run's values `v` times activation quad t of block `c` of row `i`. */
+static inline void dot_quad(__m512i v, const Activations *a, int64_t row, int64_t c, int t, int mt, __m512i *sums) {
+    const __m512i even = even_words(v), odd = odd_words(v);
     for (int i = 0; i < mt; i++) {
         const int32_t *pairs = (const int32_t *)(a->q + ((row + i) * a->blocks + c) * QK);
         sums[i] = _mm512_dpwssd_epi32(sums[i], even, _mm512_set1_epi32(pairs[2 * t]));
         sums[i] = _mm512_dpwssd_epi32(sums[i], odd, _mm512_set1_epi32(pairs[2 * t + 1]));
     }
-}
-
-/* dot_words for a run of unsigned 4-bit (or 6-bit) values. */
-static inline void dot_quad(__m512i v, const Activations *a, int64_t row, int64_t c, int t, int mt, __m512i *sums) {
-    dot_words(even_words(v), odd_words(v), a, row, c, t, mt, sums);
 }
 
 /* Q4_0 (`has_min` 0) and Q4_1 blocks: X16 scales (and minimums) as fp16, then four runs of nibbles. */
@@ -577,21 +571,6 @@ static inline void q4_0_block(const uint8_t *blk, const Activations *a, int64_t 
 
 static inline void q4_1_block(const uint8_t *blk, const Activations *a, int64_t row, int64_t b, int mt, __m512 *acc) {
     q4_block(blk, 1, a, row, b, mt, acc);
-}
-
-/* Q8_0 blocks: X16 scales (fp16), then eight runs of signed bytes, run t values 4t.. of each row. */
-static inline void q8_0_block(const uint8_t *blk, const Activations *a, int64_t row, int64_t b, int mt, __m512 *acc) {
-    const uint8_t *runs = blk + 2 * X16;
-    __m512i sums[VNNI_ROWS];
-    for (int i = 0; i < mt; i++) sums[i] = _mm512_setzero_si512();
-    for (int t = 0; t < 8; t++) {
-        const __m512i run = _mm512_loadu_si512((const void *)(runs + 64 * t));
-        /* bytes 0 and 2 (1 and 3) of each lane, sign-extended to words */
-        dot_words(_mm512_srai_epi16(_mm512_slli_epi16(run, 8), 8), _mm512_srai_epi16(run, 8), a, row, b, t, mt, sums);
-    }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
-    for (int i = 0; i < mt; i++)
-        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[i]), _mm512_mul_ps(d, _mm512_set1_ps(a->scale[(row + i) * a->blocks + b])), acc[i]);
 }
 
 /* 16 bytes, one per row, to floats. */
@@ -722,7 +701,6 @@ static inline void q6_k_block(const uint8_t *blk, const Activations *a, int64_t 
 
 DEFINE_GEMM_VNNI(q4_0, 18, 32)
 DEFINE_GEMM_VNNI(q4_1, 20, 32)
-DEFINE_GEMM_VNNI(q8_0, 34, 32)
 DEFINE_GEMM_VNNI(q4_k, 144, 256)
 DEFINE_GEMM_VNNI(q6_k, 210, 256)
 

@@ -5,9 +5,9 @@ the K-quants Q4_K, Q5_K and Q6_K have C kernels (`pagedllm/csrc/quant_ops.c`): f
 straight from the blocks (float32, or bf16 dot products where the CPU has AVX512-BF16), many rows (prefill,
 big batches) dequantize the weight a tile at a time into the activations' dtype for torch's GEMM. Without a
 compiler (or with PAGEDLLM_NATIVE=0) both go through gguf's own dequantization, the portable path: the same
-numbers, slower. Where the CPU has AVX512-VNNI, a bf16 model's matrices of every type but Q5_K are
-repacked at load, 16 rows side by side, and meet every row count in integer dot products (`PackedWeight`).
-Other quantized types (Q5_0, Q2_K, the IQ types, ...) have no kernel yet and are dequantized once at load
+numbers, slower. Where the CPU has AVX512-VNNI, a bf16 model's Q4_0, Q4_1, Q4_K and Q6_K matrices are repacked at
+load, 16 rows side by side, and meet every row count in integer dot products (`PackedWeight`). Other
+quantized types (Q5_0, Q2_K, the IQ types, ...) have no kernel yet and are dequantized once at load
 (`holds_quantized` says which).
 
 Activations and sums stay in float32 on the few-row path, so a float32 model on quantized weights is the
@@ -81,7 +81,6 @@ def _q6_k_runs() -> list[tuple[int, int]]:
 _PACKED_SEGMENTS = {
     GGMLQuantizationType.Q4_0: [(0, 2), *_runs(2, 4)],
     GGMLQuantizationType.Q4_1: [(0, 2), (2, 2), *_runs(4, 4)],
-    GGMLQuantizationType.Q8_0: [(0, 2), *_runs(2, 8)],
     GGMLQuantizationType.Q4_K: [(0, 2), (2, 2), *((4 + j, 1) for j in range(12)), *_runs(16, 32)],
     GGMLQuantizationType.Q6_K: [(208, 2), *((192 + s, 1) for s in range(16)), *_q6_k_runs()],
 }
