@@ -53,7 +53,7 @@ from pagedllm.domains import (
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.default import default_model_file
-from pagedllm.models.loader import resolve_model_folder, runs_quantized
+from pagedllm.models.loader import reads_lean_folder, resolve_model_folder
 from pagedllm.sampling_params import SamplingParams
 
 ENGINES = ("pagedllm", "hf-static", "hf-cb", "vllm")
@@ -357,9 +357,7 @@ def check_samples(setup: BenchSetup, workload: Workload, results: list[EngineRes
 def _holds_quantized(setup: BenchSetup) -> bool:
     """Whether pagedllm runs a GGUF file's weights as stored (the default for a GGUF file)."""
     model = setup.model
-    return (
-        model is not None and Path(model).suffix == ".gguf" and not setup.dequantize and runs_quantized(setup.device, 1)
-    )
+    return model is not None and Path(model).suffix == ".gguf" and reads_lean_folder(setup.device, 1, setup.dequantize)
 
 
 def _references(setup: BenchSetup, dtype: torch.dtype, requests: list) -> list[list[int]]:

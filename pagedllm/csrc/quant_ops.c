@@ -435,24 +435,28 @@ DEFINE_KERNELS(q6_k, 210, 256)
  * quantized row. */
 #define X16 16
 
-/* Block b of the X16 rows from `w` (GGUF's layout, `blocks` blocks of `bytes` a row) packed into `dst`. */
-static void pack_block(const uint8_t *w, int64_t blocks, int64_t bytes, int64_t b, const int32_t *segments,
-                       int64_t count, uint8_t *dst) {
+/* Block b of the X16 rows at `rows` (GGUF's layout, `blocks` blocks of `bytes` a row) against its packed
+ * form at `packed`: copied into it (`to_packed`) or back out of it. */
+static void move_block(uint8_t *rows, int64_t blocks, int64_t bytes, int64_t b, const int32_t *segments,
+                       int64_t count, uint8_t *packed, int to_packed) {
     for (int64_t s = 0; s < count; s++) {
         const int32_t offset = segments[2 * s], size = segments[2 * s + 1];
-        for (int r = 0; r < X16; r++) memcpy(dst + r * size, w + (r * blocks + b) * bytes + offset, (size_t)size);
-        dst += X16 * size;
+        for (int r = 0; r < X16; r++) {
+            uint8_t *row = rows + (r * blocks + b) * bytes + offset, *slot = packed + r * size;
+            memcpy(to_packed ? slot : row, to_packed ? row : slot, (size_t)size);
+        }
+        packed += X16 * size;
     }
 }
 
-void pack_x16(const uint8_t *w, int64_t n, int64_t blocks, int64_t bytes, const int32_t *segments, int64_t count,
+void pack_x16(uint8_t *w, int64_t n, int64_t blocks, int64_t bytes, const int32_t *segments, int64_t count,
               uint8_t *out) {
     const int64_t group_bytes = X16 * blocks * bytes;
     /* a group at a time through a buffer, so that `out` may be `w` (repacked in place, no second copy) */
     uint8_t *buffer = (uint8_t *)malloc((size_t)group_bytes);
     for (int64_t g = 0; g < n / X16; g++) {
         for (int64_t b = 0; b < blocks; b++)
-            pack_block(w + g * group_bytes, blocks, bytes, b, segments, count, buffer + b * X16 * bytes);
+            move_block(w + g * group_bytes, blocks, bytes, b, segments, count, buffer + b * X16 * bytes, 1);
         memcpy(out + g * group_bytes, buffer, (size_t)group_bytes);
     }
     free(buffer);
@@ -460,18 +464,12 @@ void pack_x16(const uint8_t *w, int64_t n, int64_t blocks, int64_t bytes, const 
 
 /* The inverse of pack_x16, for `n` rows (a multiple of X16) starting at a group's first row; `w` is not
  * `packed`. */
-void unpack_x16(const uint8_t *packed, int64_t n, int64_t blocks, int64_t bytes, const int32_t *segments, int64_t count,
+void unpack_x16(uint8_t *packed, int64_t n, int64_t blocks, int64_t bytes, const int32_t *segments, int64_t count,
                 uint8_t *w) {
+    const int64_t group_bytes = X16 * blocks * bytes;
     for (int64_t g = 0; g < n / X16; g++)
-        for (int64_t b = 0; b < blocks; b++) {
-            const uint8_t *src = packed + (g * blocks + b) * X16 * bytes;
-            uint8_t *rows = w + g * X16 * blocks * bytes;
-            for (int64_t s = 0; s < count; s++) {
-                const int32_t offset = segments[2 * s], size = segments[2 * s + 1];
-                for (int r = 0; r < X16; r++) memcpy(rows + (r * blocks + b) * bytes + offset, src + r * size, (size_t)size);
-                src += X16 * size;
-            }
-        }
+        for (int64_t b = 0; b < blocks; b++)
+            move_block(w + g * group_bytes, blocks, bytes, b, segments, count, packed + g * group_bytes + b * X16 * bytes, 0);
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BF16__)

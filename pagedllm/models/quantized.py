@@ -192,6 +192,7 @@ class PackedWeight:
         return unpacked.rows(at)
 
 
+@cache  # read by every packed embedding lookup
 def _segments(kind: GGMLQuantizationType) -> tuple[ctypes.Array, int]:
     flat = [value for segment in _PACKED_SEGMENTS[kind] for value in segment]
     return (ctypes.c_int32 * len(flat))(*flat), len(flat) // 2
@@ -307,7 +308,7 @@ class QuantizedLinear(nn.Module):
     q/k/v whose parts a GGUF file quantized differently stays in parts). The blocks are plain attributes,
     not parameters: the state dict read from a checkpoint is the rest of the model's. A bias, where the
     layer has one, stays a parameter and loads like any other. With `pack_parts` (a bf16 model's layers),
-    parts the int8 kernel takes are repacked for it (`packs`)."""
+    parts the integer kernel takes are repacked for it (`packs`)."""
 
     def __init__(self, parts: list[QuantizedWeight], bias: bool, pack_parts: bool = False) -> None:
         super().__init__()
