@@ -7,6 +7,7 @@ import logging
 import sys
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from pagedllm.benchmarks.accuracy import add_bench_accuracy_args, run_bench_accuracy
 from pagedllm.benchmarks.memory import add_bench_memory_args, run_bench_memory
@@ -123,8 +124,18 @@ def run_worker(args: argparse.Namespace) -> int:
     return run_node(EngineConfig(**option_values(EngineConfig, args)))
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse (3.11) drops a `--` given as a flag's value (`--log-level=--`), leaving the flag an empty list that
+    no domain checks: refused here as a value outside every domain. Subcommands' parsers are of this class too."""
+
+    def _get_values(self, action: argparse.Action, arg_strings: list[str]) -> Any:
+        if action.option_strings and action.nargs is None and arg_strings == ["--"]:
+            raise argparse.ArgumentError(action, "invalid value: '--'")
+        return super()._get_values(action, arg_strings)
+
+
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedllm", description="LLM inference on a paged KV cache")
+    parser = _Parser(prog="pagedllm", description="LLM inference on a paged KV cache")
     add_option_flag(parser, ServeOptions, "log_level")  # one flag for every command; serve passes it on to uvicorn
     commands = parser.add_subparsers(dest="command", required=True)
     generate = commands.add_parser("generate", help="answer one prompt")
