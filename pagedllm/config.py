@@ -12,6 +12,7 @@ from typing import Any, get_args, get_type_hints
 
 import torch
 
+from pagedllm import speculative
 from pagedllm.domains import (
     INT64_MAX,
     NON_NEGATIVE_INTS,
@@ -27,6 +28,7 @@ from pagedllm.domains import (
     FilePaths,
     Hosts,
     Integers,
+    JsonObjects,
     Reals,
     Texts,
     Tuples,
@@ -151,6 +153,15 @@ class EngineConfig:
     node_rank: int = option(
         0, "this machine's index among nnodes (`pagedllm worker` on nodes 1 ..)", domain=NON_NEGATIVE_INTS
     )
+    speculative_config: dict[str, Any] | None = option(
+        None,
+        "speculative decoding, vLLM's settings as JSON: "
+        '{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": A, "prompt_lookup_max": B} '
+        "guesses K tokens from the sequence's own earlier text and checks them in one step; "
+        f"disable_by_batch_size (default {speculative.DEFAULT_DISABLE_BY_BATCH_SIZE}) turns it off above that many "
+        "running sequences",
+        domain=JsonObjects(speculative.KEYS),
+    )
 
     def __post_init__(self) -> None:
         check_options(self)
@@ -171,6 +182,8 @@ class EngineConfig:
                 f"quantization {self.quantization!r} runs on one CPU rank only (device {self.device!r}, "
                 f"tensor_parallel_size {self.tensor_parallel_size})"
             )
+        if self.speculative_config is not None:
+            speculative.SpeculativeConfig.from_dict(self.speculative_config)
         if self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank must be below nnodes ({self.nnodes}), got {self.node_rank}")
         # Every node runs the same number of ranks (`worker.group.follower_specs`).

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import os
 import socket
@@ -257,6 +258,23 @@ class CommaLists(Domain):
 
     def parse(self, text: str) -> object:
         return tuple(self.of.parse(item.strip()) for item in text.split(","))
+
+
+@dataclass(frozen=True, slots=True)
+class JsonObjects(Domain):
+    """A JSON object (a dict from Python) whose keys are among `keys`; what each key's value may be is for the
+    option's reader to check (its ValueError names the key)."""
+
+    keys: tuple[str, ...]
+
+    def describe(self) -> str:
+        return f"a JSON object with keys among {', '.join(self.keys)}"
+
+    def admits(self, value: object) -> bool:
+        return isinstance(value, dict) and all(key in self.keys for key in value)
+
+    def parse(self, text: str) -> object:
+        return json.loads(text)
 
 
 POSITIVE_INTS = Integers(1, INT32_MAX)

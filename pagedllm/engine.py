@@ -28,6 +28,7 @@ from pagedllm.request import SequenceGroup
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.scheduler import Scheduler
 from pagedllm.sequence import SequenceFactory, SequenceStatus
+from pagedllm.speculative import SpeculativeConfig
 from pagedllm.step import ModelOutput, SchedulerOutput
 from pagedllm.structured_output import StructuredOutputCompiler
 from pagedllm.worker.cache_engine import KVShape
@@ -98,6 +99,7 @@ class LLMEngine:
             self.sequences,
             eos_ids,
             self.max_model_len,
+            None if config.speculative_config is None else SpeculativeConfig.from_dict(config.speculative_config),
         )
         self.worker = Worker(
             self.loaded.model, shape, num_blocks, num_cpu_blocks, config.device, eos_ids, self._group.shard is not None

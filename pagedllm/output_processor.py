@@ -43,6 +43,9 @@ class OutputProcessor:
             request_id = new.seq.request_id
             if request_id in step.failed:
                 continue
+            if new.num_tokens > new.seq.num_tokens:
+                new.seq.cumulative_logprob -= new.logprob  # a stop string ended its sequence at an earlier token
+                continue
             try:
                 self._text(new, step)
             except Exception as error:
@@ -56,15 +59,17 @@ class OutputProcessor:
         if new.logprobs is not None:
             self._decode(new.logprobs)
         if stop is None or not stop.hide_last_token_text:
-            seq.text += next_text(self.tokenizer, seq, seq.params.skip_special_tokens, flush=stop is not None)
+            skip = seq.params.skip_special_tokens
+            seq.text += next_text(self.tokenizer, seq, skip, flush=stop is not None, end=new.num_tokens)
         # A stop string outranks the length limit reached by the same token, not a stop token.
         if stop is not None and stop.status is not SequenceStatus.FINISHED_LENGTH:
             return
-        by_string = string_stop(seq)
+        by_string = string_stop(seq, new.num_tokens - seq.num_prompt_tokens)
         if by_string is None:
             return
-        if stop is None:
+        if stop is None and not seq.status.finished:
             step.stopped.append(seq)
+        _drop_after(seq, new.num_tokens)
         seq.status, seq.stop_reason = by_string.status, by_string.reason
 
     def _decode(self, entry: dict[int, Logprob]) -> None:
@@ -94,6 +99,14 @@ class OutputProcessor:
             )
             for index, beam in enumerate(group.beam.ranked())
         ]
+
+
+def _drop_after(seq: Sequence, num_tokens: int) -> None:
+    """Forget the tokens a step appended after the one a stop string ended at (speculation's accepted guesses
+    and the pick after them); their log-probabilities leave the cumulative one as `process` skips them."""
+    del seq.token_ids[num_tokens:]
+    if seq.logprobs is not None:
+        del seq.logprobs[num_tokens - seq.num_prompt_tokens :]
 
 
 def _prompt_logprobs(group: SequenceGroup) -> PromptLogprobs | None:

@@ -65,6 +65,21 @@ class EngineStats:
     prefix_cache_hit_rate: float
     num_steps: int
     step_seconds: dict[str, float] = field(default_factory=dict)
+    # Speculative decoding: proposals checked, tokens guessed, guesses accepted (vLLM's spec_decode counters).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted guesses over guesses: 0 before any."""
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens a checked proposal yields, the pick after the accepted guesses included (vLLM's mean
+        acceptance length): 1 is what a step gives without speculation."""
+        return 1 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
 
 
 @dataclass(frozen=True, slots=True)

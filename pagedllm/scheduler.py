@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict, deque
+from dataclasses import dataclass
 
 from pagedllm.beam_search import Candidate, FinishedBeam
 from pagedllm.kv.events import KVEventSink
@@ -23,8 +24,18 @@ from pagedllm.kv.kv_cache_manager import KVCacheManager
 from pagedllm.outputs import EngineStats, KVSnapshot, SequenceKV
 from pagedllm.request import SequenceGroup
 from pagedllm.sequence import Sequence, SequenceFactory, SequenceStatus
+from pagedllm.speculative import SpeculativeConfig
 from pagedllm.step import ModelOutput, NewToken, RowOutput, SampleRow, ScheduledSeq, SchedulerOutput, StepUpdate
 from pagedllm.stopping import StopDecision, grammar_stop, length_stop, token_stop
+
+
+@dataclass(slots=True)
+class SpecCounts:
+    """Speculative decoding so far: proposals checked, tokens they guessed, and guesses the target agreed with."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class Scheduler:
@@ -37,6 +48,7 @@ class Scheduler:
         sequences: SequenceFactory,
         eos_ids: frozenset[int],
         max_model_len: int,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
@@ -51,6 +63,9 @@ class Scheduler:
         self.groups: dict[str, SequenceGroup] = {}  # every unfinished request, by id
         self.num_preemptions = 0
         self.num_swap_preemptions = 0
+        self.speculative = speculative
+        self._speculating = False  # this step's decision: speculation pays at low batch only
+        self.spec = SpecCounts()
 
     def check_fits(self, num_prompt_tokens: int, num_tokens: int, num_seqs: int) -> None:
         """Refuse a request that could never run: its `num_seqs` sequences (n samples, best_of or beams, each
@@ -81,6 +96,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        spec = self.speculative
+        self._speculating = spec is not None and self.num_running_seqs <= spec.disable_by_batch_size
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             budget = self._swap_in(out, budget)
@@ -115,6 +132,11 @@ class Scheduler:
             num_new = min(seq.num_uncomputed_tokens, budget - spent)
             if num_new == 0:
                 continue  # budget spent, or a beam already waiting for its siblings
+            drafts = self._drafts(group, seq, budget - spent)
+            if drafts and self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, 1 + len(drafts), out.copies):
+                out.scheduled.append(ScheduledSeq(seq, 1 + len(drafts), draft_token_ids=drafts))
+                spent += 1 + len(drafts)
+                continue
             while not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new, out.copies):
                 if not may_preempt:
                     return None
@@ -125,6 +147,17 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, num_new))
             spent += num_new
         return spent
+
+    def _drafts(self, group: SequenceGroup, seq: Sequence, budget: int) -> list[int]:
+        """Guesses of the tokens after a decoding sequence's next one, when this step speculates: never past
+        its max_tokens, the model's length or the step's budget. Beam search does not speculate."""
+        if not self._speculating or group.beam is not None or seq.num_uncomputed_tokens != 1:
+            return []
+        if seq.num_output_tokens == 0:
+            return []  # its prompt's last token: parallel samples fork from that row
+        assert self.speculative is not None
+        limit = min(seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens, budget) - 1
+        return self.speculative.propose(seq.token_ids, limit)
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         """Swap the whole request out if asked and there is CPU room (a forked request keeps its
@@ -211,15 +244,19 @@ class Scheduler:
     def _plan_samples(self, out: SchedulerOutput) -> None:
         """One row per sequence whose chunk completes it; a request's parallel samples fork from the
         sequence that ran the prompt, at its first token, and draw from the same logits row."""
-        completing = [item.seq for item in out.scheduled if item.completes]
-        for row, seq in enumerate(completing):
+        row = 0
+        for item in out.scheduled:
+            if not item.completes:
+                continue
+            seq = item.seq
             group = self._group_of(seq)
             if group.beam is not None:
                 out.samples.append(SampleRow(seq, row, num_beam_candidates=group.beam.num_candidates))
-                continue
-            out.samples.append(SampleRow(seq, row))
-            for index in range(1, group.pending_forks + 1):
-                out.samples.append(SampleRow(self.sequences.fork(seq, index), row, forked_from=seq))
+            else:
+                out.samples.append(SampleRow(seq, row, draft_token_ids=item.draft_token_ids))
+                for index in range(1, group.pending_forks + 1):
+                    out.samples.append(SampleRow(self.sequences.fork(seq, index), row, forked_from=seq))
+            row += 1 + len(item.draft_token_ids)
 
     def _group_of(self, seq: Sequence) -> SequenceGroup:
         return self.groups[seq.request_id]
@@ -232,7 +269,8 @@ class Scheduler:
         A request whose grammar matcher raises on its token is left out of the update and returned with
         the error, for the caller to abort: its matchers' state is unknown."""
         for item in out.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
+            # A draft's slot counts once the draft is accepted (`_settle_drafts`).
+            item.seq.num_computed_tokens += item.num_new_tokens - len(item.draft_token_ids)
             self.kv.register_computed(item.seq.seq_id, item.seq.token_ids, item.seq.num_computed_tokens)
         touched = dict.fromkeys(item.seq.request_id for item in out.scheduled)
         update = StepUpdate(groups=[self.groups[request_id] for request_id in touched])
@@ -252,21 +290,43 @@ class Scheduler:
                 group.beam.rows[sample.seq.seq_id] = row.candidates
                 beams[group.request_id] = group
                 continue
-            request_id = sample.seq.request_id
-            if request_id in failed:
-                continue
-            try:
-                grammar = grammar_stop(sample.seq, row.token_id)  # the matcher takes the token
-            except Exception as error:
-                failed[request_id] = error
-                continue
-            update.new_tokens.append(self._append(sample.seq, row, grammar))
+            if sample.seq.request_id not in failed:
+                self._take(sample, row, update, failed)
         for group in beams.values():
             self._advance_beams(group)
         if failed:
             update.new_tokens = [new for new in update.new_tokens if new.seq.request_id not in failed]
             update.groups = [group for group in update.groups if group.request_id not in failed]
         return update, failed
+
+    def _take(self, sample: SampleRow, row: RowOutput, update: StepUpdate, failed: dict[str, Exception]) -> None:
+        """Append the row's picked tokens (one, or with drafts the accepted ones and the pick after them) until
+        one stops the sequence; then account for the drafts."""
+        seq = sample.seq
+        for pick in row.tokens:
+            try:
+                grammar = grammar_stop(seq, pick.token_id)  # the matcher takes the token
+            except Exception as error:
+                failed[seq.request_id] = error
+                return
+            new = self._append(seq, pick, grammar)
+            update.new_tokens.append(new)
+            if new.stop is not None:
+                break
+        if sample.draft_token_ids:
+            self._settle_drafts(seq, len(sample.draft_token_ids), len(row.following))
+
+    def _settle_drafts(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        """The accepted drafts' slots hold their K/V: they count as computed, and their full blocks enter the
+        prefix cache; the rejected ones' slots are given back, and blocks left empty return to the pool."""
+        self.spec.num_drafts += 1
+        self.spec.num_draft_tokens += num_drafts
+        self.spec.num_accepted_tokens += num_accepted
+        if seq.status.finished:
+            return  # its blocks are back already
+        seq.num_computed_tokens += num_accepted
+        self.kv.trim(seq.seq_id, seq.num_computed_tokens)
+        self.kv.register_computed(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
 
     def _join(self, parent: Sequence, child: Sequence) -> None:
         """The child enters its parent's request sharing every block (the first write copies)."""
@@ -279,17 +339,19 @@ class Scheduler:
     def _append(self, seq: Sequence, row: RowOutput, grammar: StopDecision | None) -> NewToken:
         """Append the picked token; `grammar` is the stop the sequence's grammar decided on it."""
         seq.token_ids.append(row.token_id)
+        logprob = 0.0
         if row.logprobs is not None:
-            seq.cumulative_logprob += row.logprobs[row.token_id].logprob
+            logprob = row.logprobs[row.token_id].logprob
             if seq.logprobs is not None:
                 seq.logprobs.append(row.logprobs)
         elif row.logprob is not None:
-            seq.cumulative_logprob += row.logprob
+            logprob = row.logprob
+        seq.cumulative_logprob += logprob
         stop = grammar or token_stop(seq, row.token_id, self.eos_ids) or length_stop(seq, self.max_model_len)
         if stop is not None:
             seq.stop_reason = stop.reason
             self.finish(seq, stop.status)
-        return NewToken(seq, row.logprobs, stop)
+        return NewToken(seq, row.logprobs, stop, seq.num_tokens, logprob)
 
     def _advance_beams(self, group: SequenceGroup) -> None:
         state = group.beam
@@ -414,4 +476,7 @@ class Scheduler:
             prefix_cache_hit_rate=kv.prefix_cache_hits / queries if queries else 0.0,
             num_steps=num_steps,
             step_seconds=step_seconds,
+            spec_num_drafts=self.spec.num_drafts,
+            spec_num_draft_tokens=self.spec.num_draft_tokens,
+            spec_num_accepted_tokens=self.spec.num_accepted_tokens,
         )

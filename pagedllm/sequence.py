@@ -51,7 +51,7 @@ class Sequence:
     num_prompt_tokens: int
     params: SamplingParams
     max_tokens: int
-    generator: torch.Generator | None
+    seed: int | None  # of the sampler's draws (None: greedy); a draw depends on it and the token's index only
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     cumulative_logprob: float = 0.0
@@ -93,11 +93,11 @@ class Sequence:
             return 0
         return self.num_prompt_tokens - 1 - len(self.prompt_logprobs)
 
-    def fork(self, seq_id: int, index: int, generator: torch.Generator | None) -> Sequence:
+    def fork(self, seq_id: int, index: int, seed: int | None) -> Sequence:
         """A sibling that has produced exactly what this sequence has so far (its KV blocks are shared
-        by the cache manager); from here on it draws from its own generator."""
+        by the cache manager); from here on it draws with its own seed."""
         child = copy.copy(self)
-        child.seq_id, child.index, child.generator = seq_id, index, generator
+        child.seq_id, child.index, child.seed = seq_id, index, seed
         child.token_ids = list(self.token_ids)
         child.logprobs = [dict(entry) for entry in self.logprobs] if self.logprobs is not None else None
         child.prompt_logprobs = None  # the prompt's log-probabilities belong to the sequence that ran it
@@ -106,8 +106,9 @@ class Sequence:
 
 
 class SequenceFactory:
-    """Hands out sequence ids and per-sequence RNGs, to new requests and to forks alike. Each random
-    sequence owns its generator, so a seeded request samples the same tokens whatever shares its batch."""
+    """Hands out sequence ids and per-sequence seeds, to new requests and to forks alike. Each random
+    sequence owns its seed, so a seeded request samples the same tokens whatever shares its batch (and
+    whether or not speculation guessed its tokens ahead)."""
 
     def __init__(self, seed: int) -> None:
         self._ids = itertools.count()
@@ -122,18 +123,16 @@ class SequenceFactory:
             num_prompt_tokens=len(token_ids),
             params=params,
             max_tokens=max_tokens,
-            generator=self._generator(params, 0),
+            seed=self._seed(params, 0),
             logprobs=[] if params.logprobs is not None else None,
             prompt_logprobs=[] if params.prompt_logprobs is not None else None,
         )
 
     def fork(self, parent: Sequence, index: int) -> Sequence:
-        return parent.fork(next(self._ids), index, self._generator(parent.params, index))
+        return parent.fork(next(self._ids), index, self._seed(parent.params, index))
 
-    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+    def _seed(self, params: SamplingParams, index: int) -> int | None:
         if params.is_greedy:
             return None
         seed = params.sample_seed(index)
-        if seed is None:
-            seed = int(torch.randint(2**62, (1,), generator=self._rng))
-        return torch.Generator().manual_seed(seed)
+        return int(torch.randint(2**62, (1,), generator=self._rng)) if seed is None else seed

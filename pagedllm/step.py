@@ -15,9 +15,13 @@ from pagedllm.stopping import StopDecision
 
 @dataclass(slots=True)
 class ScheduledSeq:
+    """Tokens `start .. start + num_new_tokens` of the sequence run this step; with speculation the last
+    `len(draft_token_ids)` of them are guesses that follow the sequence's tokens (each gets logits too)."""
+
     seq: Sequence
     num_new_tokens: int
     block_table: list[int] = field(default_factory=list)  # filled in once the step's allocations are final
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def start(self) -> int:
@@ -27,7 +31,12 @@ class ScheduledSeq:
     @property
     def completes(self) -> bool:
         """True when this chunk reaches the end of the sequence, so its last logits pick the next token."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_new_tokens - len(self.draft_token_ids) == self.seq.num_tokens
+
+    @property
+    def input_ids(self) -> list[int]:
+        """The token ids this step feeds the model for this sequence."""
+        return self.seq.token_ids[self.start : self.start + self.num_new_tokens] + self.draft_token_ids
 
 
 @dataclass(slots=True)
@@ -36,9 +45,10 @@ class SampleRow:
     parallel samples forked at their first token share their parent's row."""
 
     seq: Sequence
-    logits_row: int
+    logits_row: int  # with drafts, the first of len(draft_token_ids) + 1 consecutive rows
     forked_from: Sequence | None = None  # joins the request (sharing the parent's blocks) in `update`
     num_beam_candidates: int = 0  # a beam: its best continuations are returned instead of a sampled token
+    draft_token_ids: list[int] = field(default_factory=list)  # the guesses its later rows check
 
 
 @dataclass(slots=True)
@@ -65,6 +75,14 @@ class RowOutput:
     logprobs: dict[int, Logprob] | None = None  # the sampled token and the top `params.logprobs`
     logprob: float | None = None  # the sampled token's raw log-probability, where the row needs it
     candidates: list[tuple[float, int]] | None = None  # a beam's best (log-probability, token) continuations
+    # With drafts: the tokens picked after this one, while each pick equalled the draft at its place (so the
+    # next row's logits were computed after the right token); the last is the first pick that differed, or the
+    # pick after the last draft.
+    following: list[RowOutput] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> list[RowOutput]:
+        return [self, *self.following]
 
 
 @dataclass(slots=True)
@@ -80,6 +98,10 @@ class NewToken:
     seq: Sequence
     logprobs: dict[int, Logprob] | None
     stop: StopDecision | None  # a stop decided by the token or the length; stop strings come later
+    # The sequence's length with this token: a step may append several tokens to one sequence (speculation),
+    # and a stop string found at this one drops the ones after it.
+    num_tokens: int
+    logprob: float = 0.0  # what this token added to the sequence's cumulative log-probability
 
 
 @dataclass(slots=True)

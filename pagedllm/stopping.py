@@ -39,11 +39,11 @@ def grammar_stop(seq: Sequence, token: int) -> StopDecision | None:
     return None
 
 
-def string_stop(seq: Sequence) -> StopDecision | None:
+def string_stop(seq: Sequence, num_output_tokens: int) -> StopDecision | None:
     """Look for a stop string in the text not yet searched (plus an overlap for strings cut across
-    tokens) and truncate the text at it."""
+    tokens) and truncate the text at it; the text is that of the first `num_output_tokens` output tokens."""
     params = seq.params
-    if not params.stop or seq.num_output_tokens < params.min_tokens:
+    if not params.stop or num_output_tokens < params.min_tokens:
         return None
     longest = max(len(s) for s in params.stop)
     search_from = max(seq.checked_text_len - longest + 1, 0)

@@ -31,8 +31,7 @@ def row(
     banned: tuple[int, ...] = (),
 ) -> SamplingRow:
     params = params or SamplingParams()
-    generator = None if params.is_greedy else torch.Generator().manual_seed(seed)
-    return SamplingRow(params, prompt or [0], output or [], generator, banned)
+    return SamplingRow(params, prompt or [0], output or [], None if params.is_greedy else seed, banned)
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
@@ -41,7 +40,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
 
 
 def frequencies(logits: torch.Tensor, params: SamplingParams, draws: int) -> torch.Tensor:
-    """Empirical token distribution from `draws` rows of the same logits, each with its own generator."""
+    """Empirical token distribution from `draws` rows of the same logits, each with its own seed."""
     rows = [row(params, seed=i) for i in range(draws)]
     tokens = torch.tensor(sample(logits.expand(draws, -1), rows))
     return torch.bincount(tokens, minlength=logits.shape[-1]).double() / draws
@@ -66,8 +65,8 @@ def test_shape_mismatch_raises() -> None:
         sampler(torch.zeros(2, 5), [row()])
 
 
-def test_random_row_needs_generator() -> None:
-    with pytest.raises(ValueError, match="generator"):
+def test_random_row_needs_seed() -> None:
+    with pytest.raises(ValueError, match="seed"):
         sampler(torch.zeros(1, 5), [SamplingRow(SamplingParams(), [0], [], None)])
 
 
@@ -286,7 +285,7 @@ def test_seeded_rows_independent_of_batch(vocab: int) -> None:
     ]
 
     def run(order: list[tuple[str, int]]) -> dict[tuple[str, int], list[int]]:
-        """Sample 5 steps for rows laid out in `order`; fresh generators for each run."""
+        """Sample 5 steps for rows laid out in `order`."""
         rows = {}
         for kind, i in order:
             params = my_params[i] if kind == "mine" else other_params[i]

@@ -139,6 +139,17 @@ class KVCacheManager:
         record.num_tokens = num_computed + num_new
         return True
 
+    def trim(self, seq_id: int, num_tokens: int) -> None:
+        """Keep the slots of the first `num_tokens` tokens only: the blocks past them (speculation's rejected
+        guesses wrote there) go back to the pool. They were allocated for this sequence alone and never
+        registered, so no other table holds them and the prefix cache cannot find them."""
+        record = self.seqs[seq_id]
+        keep = max(blocks_needed(num_tokens, self.block_size), record.num_slid)
+        if keep < len(record.blocks):
+            self.pool.free(record.blocks[keep:])
+            del record.blocks[keep:]
+        record.num_tokens = num_tokens
+
     def _slide(self, record: SeqBlocks, num_computed: int) -> None:
         """Free the blocks wholly before the window of the next query (at position `num_computed`): it
         sees positions from num_computed - window + 1 on. They stay findable by the prefix cache."""

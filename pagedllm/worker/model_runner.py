@@ -34,7 +34,9 @@ class FlatBatch:
     block_tables: torch.Tensor  # [S, max_blocks] int32
     seq_lens: torch.Tensor  # [S] int32
     query_start_loc: torch.Tensor  # [S+1] int32
-    logits_index: torch.Tensor  # rows whose hidden state picks a token, in `scheduled` order
+    # Rows whose hidden state picks a token, in `scheduled` order: a sequence's last, or with drafts its last
+    # len(drafts) + 1 (the sequence's last token's, then each draft's).
+    logits_index: torch.Tensor
     prompt: PromptRows | None  # rows scoring prompt tokens, when some sequence asked for them
 
 
@@ -46,14 +48,19 @@ def build_batch(scheduled: list[ScheduledSeq], block_size: int) -> FlatBatch:
     seq_lens: list[int] = []
     for item in scheduled:
         start, end = item.start, item.start + item.num_new_tokens
-        ids.extend(item.seq.token_ids[start:end])
+        ids.extend(item.input_ids)
         pos = np.arange(start, end, dtype=np.int64)
         positions.append(pos)
         slots.append(np.asarray(item.block_table, dtype=np.int64)[pos // block_size] * block_size + pos % block_size)
         query_lens.append(item.num_new_tokens)
         seq_lens.append(end)
     query_start = np.concatenate(([0], np.cumsum(query_lens)))
-    samples = [i for i, item in enumerate(scheduled) if item.completes]
+    logits_rows = [
+        row
+        for i, item in enumerate(scheduled)
+        if item.completes
+        for row in range(int(query_start[i + 1]) - 1 - len(item.draft_token_ids), int(query_start[i + 1]))
+    ]
     return FlatBatch(
         input_ids=torch.tensor(ids, dtype=torch.long),
         positions=torch.from_numpy(np.concatenate(positions)),
@@ -61,7 +68,7 @@ def build_batch(scheduled: list[ScheduledSeq], block_size: int) -> FlatBatch:
         block_tables=_pad_tables([item.block_table for item in scheduled]),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         query_start_loc=torch.from_numpy(query_start.astype(np.int32)),
-        logits_index=torch.from_numpy(query_start[1:][samples] - 1),
+        logits_index=torch.tensor(logits_rows, dtype=torch.long),
         prompt=_prompt_rows(scheduled, query_start),
     )
 

@@ -4,8 +4,9 @@ Follows vLLM's semantics. Logprobs come from the model's raw logits. Then, in or
 -inf, logit biases are added, a constrained row's grammar masks the tokens it forbids (rows without one are
 not touched), the repetition penalty is applied over prompt + output tokens, presence/frequency penalties over
 output tokens; greedy rows take the argmax; random rows are divided by their temperature, truncated by top-k, top-p
-and min-p, and sampled with the row's own generator, so a seeded request draws the same tokens whatever else
-shares its batch.
+and min-p, and sampled with uniforms that are a function of the row's seed and the token's index in its
+output (and the draw's attempt) alone: a seeded request draws the same tokens whatever else shares its batch,
+and a token checked ahead by speculative decoding is drawn as it would have been in its own step.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pagedllm.sampling_params import SamplingParams
 
 # Block sizes tried, largest first, to split the vocabulary into equal blocks (see _blocks).
 _BLOCK_SIZES = (256, 128, 64)
+_MASK64 = (1 << 64) - 1
 
 
 @dataclass(slots=True)
@@ -30,13 +32,20 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    generator: torch.Generator | None  # per-sequence RNG; None only for greedy rows
+    seed: int | None  # the sequence's seed; None only for greedy rows
     banned_token_ids: tuple[int, ...] = ()  # e.g. EOS + stop_token_ids while len(output) < min_tokens
     grammar: xgr.GrammarMatcher | None = None  # a constrained row: only tokens it allows can be drawn
 
     @property
     def wants_logprob(self) -> bool:
         return self.params.logprobs is not None or self.params.ranks_samples
+
+    def uniform(self, attempt: int) -> float:
+        """This row's U[0, 1) draw number `attempt` (a redraw outside the nucleus is the next), on float32's grid:
+        splitmix64's finalizer over the seed, the output token's index and the attempt."""
+        assert self.seed is not None
+        bits = _mix64(_mix64(_mix64(self.seed & _MASK64) ^ len(self.output_token_ids)) ^ attempt)
+        return (bits >> 40) * 2.0**-24
 
 
 @dataclass(slots=True)
@@ -208,8 +217,8 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 
 def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Sampled token ids for rows with temperature > 0; overwrites ``logits``."""
-    if any(row.generator is None for row in rows):
-        raise ValueError("every row with temperature > 0 needs a generator")
+    if any(row.seed is None for row in rows):
+        raise ValueError("every row with temperature > 0 needs a seed")
     vocab = logits.shape[1]
     # A small top-k lets topk() stand in for a full-vocabulary sort; top_k >= vocab is no truncation.
     top_k = [i for i, row in enumerate(rows) if 0 < row.params.top_k < vocab]
@@ -227,10 +236,17 @@ def _row_values(rows: list[SamplingRow], name: str, device: torch.device) -> tor
     return torch.tensor([getattr(row.params, name) for row in rows], device=device)[:, None]
 
 
-def _uniforms(rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
-    """One U[0, 1) draw per row from the row's own generator, as an [R, 1] column."""
-    draws = [torch.rand(1, generator=row.generator, device=row.generator.device) for row in rows]
-    return torch.cat(draws).to(device)[:, None]
+def _mix64(x: int) -> int:
+    """splitmix64's step: a bijection of 64-bit integers whose outputs pass statistical tests for counters."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _uniforms(rows: list[SamplingRow], device: torch.device, attempt: int) -> torch.Tensor:
+    """Each row's draw number `attempt`, as an [R, 1] float32 column."""
+    return torch.tensor([row.uniform(attempt) for row in rows], dtype=torch.float32, device=device)[:, None]
 
 
 def _search(cdf: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,13 +262,15 @@ def _search(cdf: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torc
     return position.squeeze(1), before
 
 
-def _draw(weights: torch.Tensor, rows: list[SamplingRow], index: list[int] | None = None) -> torch.Tensor:
+def _draw(
+    weights: torch.Tensor, rows: list[SamplingRow], index: list[int] | None = None, attempt: int = 0
+) -> torch.Tensor:
     """Inverse-CDF sampling: a position per row, drawn with probability proportional to ``weights``.
 
-    ``index`` picks the rows of ``weights`` to draw for (default: all), ``rows`` being theirs. Takes exactly
-    one uniform from each row's generator, so a row's draws do not depend on the other rows.
+    ``index`` picks the rows of ``weights`` to draw for (default: all), ``rows`` being theirs. Each row uses
+    its own draw number ``attempt``, so a row's draws do not depend on the other rows.
     """
-    target = _uniforms(rows, weights.device)
+    target = _uniforms(rows, weights.device, attempt)
     picked = torch.tensor(list(range(len(weights))) if index is None else index, device=weights.device)
     blocks = _blocks(weights)
     if blocks is None:
@@ -316,6 +334,7 @@ def _resample_outside_nucleus(
     """
     pending = [i for i, row in enumerate(rows) if row.params.top_p < 1.0]
     budget = {i: rows[i].params.top_p * total[i] for i in pending}
+    attempt = 0
     while pending:
         drawn = weights[pending, positions[pending]].tolist()
         # Per-row threshold_ works in place; on CPU, batched masking allocates [N, V] temporaries and runs
@@ -325,7 +344,8 @@ def _resample_outside_nucleus(
         mass_above = weights.sum(-1)[pending].tolist()
         pending = [i for i, mass in zip(pending, mass_above, strict=True) if mass >= budget[i]]
         if pending:
-            positions[pending] = _draw(weights, [rows[i] for i in pending], pending)
+            attempt += 1
+            positions[pending] = _draw(weights, [rows[i] for i in pending], pending, attempt)
 
 
 def token_logprobs(

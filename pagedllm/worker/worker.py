@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import xgrammar as xgr
 
 from pagedllm.distributed import parallel
 from pagedllm.kv.kv_cache_manager import BlockPair
@@ -219,18 +220,64 @@ class Worker:
                 rows[i].candidates = top[: samples[i].num_beam_candidates]
         drawn = [i for i, sample in enumerate(samples) if not sample.num_beam_candidates]
         if drawn:
-            picked = [samples[i].logits_row for i in drawn]
+            logit_rows: list[int] = []
+            sampling_rows: list[SamplingRow] = []
+            spans: list[tuple[int, int, int]] = []  # (sample, its first sampling row, how many)
+            for i in drawn:
+                positions = self._sampling_rows(samples[i])
+                spans.append((i, len(sampling_rows), len(positions)))
+                logit_rows.extend(range(samples[i].logits_row, samples[i].logits_row + len(positions)))
+                sampling_rows.extend(positions)
             # Parallel samples share their parent's row: they need copies, since sampling works in place.
-            own = logits if picked == list(range(len(logits))) else logits[picked]
-            result = self.sampler(own, [self._sampling_row(samples[i].seq) for i in drawn])
-            for j, i in enumerate(drawn):
-                rows[i] = RowOutput(result.token_ids[j], result.logprobs[j], result.sampled_logprobs[j])
+            own = logits if logit_rows == list(range(len(logits))) else logits[logit_rows]
+            result = self.sampler(own, sampling_rows)
+            for i, first, count in spans:
+                picks = [
+                    RowOutput(result.token_ids[j], result.logprobs[j], result.sampled_logprobs[j])
+                    for j in range(first, first + count)
+                ]
+                rows[i] = _accept_drafts(picks, samples[i].draft_token_ids)
         return rows
 
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+    def _sampling_rows(self, sample: SampleRow) -> list[SamplingRow]:
+        """The sample's row, and with drafts one more per draft: row i picks as if drafts[:i] had been picked
+        (its penalties count them, its grammar has taken them, min_tokens sees them)."""
+        seq, drafts = sample.seq, sample.draft_token_ids
+        grammars = _grammar_states(seq.grammar, drafts)
+        output = seq.output_token_ids
+        return [self._sampling_row(seq, output + drafts[:i], grammars[i]) for i in range(len(drafts) + 1)]
+
+    def _sampling_row(self, seq: Sequence, output: list[int], grammar: xgr.GrammarMatcher | None) -> SamplingRow:
         params = seq.params
         banned: tuple[int, ...] = ()
         # A complete structure may only stop: min_tokens cannot lengthen it.
-        if seq.num_output_tokens < params.min_tokens and (seq.grammar is None or not seq.grammar.is_completed()):
+        if len(output) < params.min_tokens and (grammar is None or not grammar.is_completed()):
             banned = tuple(params.stop_token_ids) + (() if params.ignore_eos else tuple(self.eos_ids))
-        return SamplingRow(params, seq.prompt_token_ids, seq.output_token_ids, seq.generator, banned, seq.grammar)
+        return SamplingRow(params, seq.prompt_token_ids, output, seq.seed, banned, grammar)
+
+
+def _grammar_states(grammar: xgr.GrammarMatcher | None, drafts: list[int]) -> list[xgr.GrammarMatcher | None]:
+    """The matcher as it is, then a fork of it after each draft. A draft the grammar refuses cannot be picked
+    at its place (the mask rules it out), so the rows after it are never read: they keep the last state."""
+    states = [grammar]
+    for token in drafts:
+        current = states[-1]
+        if current is not None:
+            forked = current.fork()
+            current = forked if forked.accept_token(token) else current
+        states.append(current)
+    return states
+
+
+def _accept_drafts(picks: list[RowOutput], drafts: list[int]) -> RowOutput:
+    """The first pick, followed by the next picks while each pick before them equalled its draft: pick i was
+    made after drafts[:i], which is the sequence's real history only while the picks agree with the drafts.
+    Picking each token by the target's own rule and keeping it is rejection sampling with a draft that puts
+    all its probability on one token (accepted with the target's probability of it; else a token from the
+    rest, renormalized), so the output is distributed as without speculation, and with the same seed equal."""
+    accepted = 0
+    while accepted < len(drafts) and picks[accepted].token_id == drafts[accepted]:
+        accepted += 1
+    head = picks[0]
+    head.following = picks[1 : accepted + 1]
+    return head

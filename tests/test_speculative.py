@@ -1,0 +1,260 @@
+"""Speculative decoding (n-gram proposals): the output is token for token the output without it, greedy or seeded,
+under batching, chunked prefill, prefix-cache hits, both preemption modes, stop strings and grammars; the guesses
+the target rejects give their slots back; and the counts say how many were accepted."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pagedllm import LLM, LLMEngine, SamplingParams
+from pagedllm.beam_search import BeamSearchParams
+from pagedllm.config import EngineConfig
+from pagedllm.kv.kv_cache_manager import blocks_needed
+from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.speculative import SpeculativeConfig, propose_ngram
+from tests.test_engine import check_accounting
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def grounded_prompts(count: int, seed: int = 0) -> list[list[int]]:
+    """Prompts that repeat a span of themselves, some with a shared prefix: an n-gram finds guesses in them,
+    and a tiny random model's greedy output soon repeats itself too."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 380) for _ in range(20)]
+    prompts = []
+    for i in range(count):
+        span = [rng.randrange(3, 380) for _ in range(rng.randrange(4, 12))]
+        filler = [rng.randrange(3, 380) for _ in range(rng.randrange(1, 30))]
+        prompts.append((shared if i % 2 else []) + span + filler + span + filler[:2])
+    return prompts
+
+
+def run(folder, prompts, params, speculative: dict | None, **options) -> tuple[list, LLMEngine]:
+    """Every request's completions, stepping one engine and checking its blocks after every step."""
+    engine = LLMEngine(EngineConfig(model=folder, dtype="float32", speculative_config=speculative, **options))
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    engine.add_requests([(str(i), prompt, p) for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))])
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out
+        check_accounting(engine)
+        check_tables_end_at_the_computed_tokens(engine)
+    assert engine.scheduler.kv.pool.num_free == engine.scheduler.kv.num_blocks, "every block comes back"
+    return [outputs[str(i)].outputs for i in range(len(prompts))], engine
+
+
+def check_tables_end_at_the_computed_tokens(engine: LLMEngine) -> None:
+    """Between steps a running sequence's table holds the blocks of its computed tokens and no more: the slots
+    of rejected guesses were given back."""
+    kv = engine.scheduler.kv
+    for group in engine.scheduler.running:
+        for seq in group.live_seqs():
+            record = kv.seqs[seq.seq_id]
+            assert record.num_tokens == seq.num_computed_tokens
+            assert len(record.blocks) == blocks_needed(seq.num_computed_tokens, kv.block_size)
+
+
+def tokens(completions: list) -> list[list[tuple[int, ...]]]:
+    return [[tuple(c.token_ids) for c in request] for request in completions]
+
+
+def greedy(max_tokens: int = 40, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+# ---- the proposer and the settings ----------------------------------------------------------------
+
+
+def test_ngram_proposes_what_followed_the_latest_longest_match():
+    assert propose_ngram([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 2, 1, 3) == [7, 5]  # latest of the two matches
+    assert propose_ngram([4, 2, 3, 8, 1, 2, 3], 3, 1, 3) == [8, 1, 2]  # 3-gram absent: the 2-gram "2 3"
+    assert propose_ngram([5, 6, 7, 8, 6], 5, 1, 3) == [7, 8, 6]  # fewer than k left after the match
+    assert propose_ngram([1, 2, 3, 4], 3, 1, 3) == []  # the suffix never occurred before
+    assert propose_ngram([1, 2, 1, 2], 2, 3, 3) == []  # only n-grams of at least prompt_lookup_min count
+    assert propose_ngram([7], 2, 1, 3) == []
+
+
+def test_settings_take_vllms_names_and_defaults():
+    config = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3})
+    assert (config.prompt_lookup_min, config.prompt_lookup_max) == (5, 5)
+    config = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4})
+    assert (config.prompt_lookup_min, config.prompt_lookup_max) == (4, 4)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"method": "ngram"}, "num_speculative_tokens is required"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
+        ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens must be"),
+        ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of ngram, got 'eagle'"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "exceeds"),
+        ({"model": "draft.gguf", "num_speculative_tokens": 2}, "draft 'model' is not supported yet"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1},
+            "speculative_config must be a JSON object with keys among method.*'lookahead'",
+        ),
+    ],
+)
+def test_bad_settings_are_refused_naming_the_key(tiny_llama, settings, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(model=tiny_llama, speculative_config=settings)
+
+
+# ---- the output is the output without speculation -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"max_num_batched_tokens": 24},  # chunked prefill beside speculating sequences
+        {"block_size": 4, "num_kv_blocks": 48},  # preempted and recomputed
+        {"block_size": 4, "num_kv_blocks": 48, "preemption_mode": "swap", "swap_space": 0.01},
+    ],
+    ids=["batch", "chunked", "recompute", "swap"],
+)
+def test_greedy_output_equals_the_output_without_speculation(tiny_llama, options):
+    prompts = grounded_prompts(8)
+    plain, _ = run(tiny_llama, prompts, greedy(), None, **options)
+    fast, engine = run(tiny_llama, prompts, greedy(), NGRAM, **options)
+    assert tokens(fast) == tokens(plain)
+    stats = engine.stats()
+    assert stats.spec_num_accepted_tokens > 0 and stats.spec_num_draft_tokens > stats.spec_num_accepted_tokens
+    assert 1 < stats.spec_mean_accepted_length <= 1 + NGRAM["num_speculative_tokens"]
+    if "num_kv_blocks" in options:
+        assert stats.num_preemptions > 0
+
+
+PARAGRAPH = (
+    "The paged attention algorithm stores the key and value cache in fixed size blocks. Each sequence has a block "
+    "table that maps its logical blocks to physical blocks in a shared pool, so memory is allocated on demand and "
+    "freed as soon as a request finishes."
+)
+TYPOS = [
+    {
+        "role": "user",
+        "content": "Correct the typos in this paragraph and repeat it:\n\n" + PARAGRAPH.replace("the", "teh"),
+    }
+]
+COPYING = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+
+
+def test_the_default_model_copying_its_input_accepts_most_guesses_and_hits_the_prefix_cache():
+    """Input-grounded work on the real model: the same answer in well under the steps, and a second request with
+    the same prompt finds its blocks (only accepted tokens' full blocks were registered)."""
+    params = SamplingParams(temperature=0.0, max_tokens=60)
+    plain = LLM(dtype="float32", num_kv_blocks=128)
+    expected = plain.chat(TYPOS, params, use_tqdm=False)[0].outputs[0]
+    fast = LLM(dtype="float32", num_kv_blocks=128, speculative_config=COPYING)
+    first = fast.chat(TYPOS, params, use_tqdm=False)[0].outputs[0]
+    assert first.token_ids == expected.token_ids and first.text == expected.text
+    stats = fast.stats()
+    assert stats.spec_mean_accepted_length > 2.5, stats
+    assert stats.num_steps < 0.6 * plain.stats().num_steps, (stats.num_steps, plain.stats().num_steps)
+    again = fast.chat(TYPOS, params, use_tqdm=False)[0].outputs[0]
+    assert again.token_ids == expected.token_ids
+    assert fast.stats().prefix_cache_hits > stats.prefix_cache_hits
+    assert fast.stats().kv_blocks_used == 0
+
+
+def test_seeded_sampling_draws_the_same_tokens_with_speculation(tiny_llama):
+    prompts = grounded_prompts(6, seed=2)
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, seed=10, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=0.3, top_k=5, seed=11, max_tokens=40, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.5, repetition_penalty=1.2, presence_penalty=0.2, seed=12, max_tokens=40),
+        SamplingParams(temperature=0.4, min_p=0.1, n=2, seed=13, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=0.2, seed=14, max_tokens=40, ignore_eos=True, min_tokens=30),
+        greedy(40, frequency_penalty=0.5),
+    ]
+    plain, _ = run(tiny_llama, prompts, params, None)
+    fast, engine = run(tiny_llama, prompts, params, NGRAM)
+    assert tokens(fast) == tokens(plain)
+    for slow_request, fast_request in zip(plain, fast, strict=True):
+        for slow, quick in zip(slow_request, fast_request, strict=True):
+            assert quick.text == slow.text
+            if slow.logprobs is not None:
+                assert [set(entry) for entry in quick.logprobs] == [set(entry) for entry in slow.logprobs]
+                assert quick.cumulative_logprob == pytest.approx(slow.cumulative_logprob, abs=1e-3)
+    assert engine.stats().spec_num_accepted_tokens > 0
+
+
+def test_a_stop_string_inside_accepted_guesses_ends_the_output_where_it_would_have(tiny_llama):
+    prompts = grounded_prompts(6, seed=3)
+    full, _ = run(tiny_llama, prompts, greedy(50, logprobs=1), None)
+    stops = []
+    for request in full:
+        text = request[0].text
+        stops.append(text[len(text) // 2 : len(text) // 2 + 2] or "x")
+    params = [greedy(50, logprobs=1, stop=[stop]) for stop in stops]
+    plain, _ = run(tiny_llama, prompts, params, None)
+    fast, engine = run(tiny_llama, prompts, params, NGRAM)
+    for slow, quick in zip(plain, fast, strict=True):
+        assert (quick[0].text, quick[0].token_ids, quick[0].stop_reason) == (
+            slow[0].text,
+            slow[0].token_ids,
+            slow[0].stop_reason,
+        )
+        assert len(quick[0].logprobs) == len(quick[0].token_ids)
+        assert quick[0].cumulative_logprob == pytest.approx(slow[0].cumulative_logprob, abs=1e-3)
+    assert engine.stats().spec_num_accepted_tokens > 0
+
+
+def test_a_grammar_constrained_output_equals_the_output_without_speculation(tiny_llama):
+    prompts = grounded_prompts(4, seed=4)
+    constraint = StructuredOutputsParams(regex="(ab|ba)+c(ab|ba)+")
+    params = [greedy(30, structured_outputs=constraint) for _ in prompts] + [greedy(30)]
+    prompts = prompts + grounded_prompts(1, seed=5)
+    plain, _ = run(tiny_llama, prompts, params, None)
+    fast, engine = run(tiny_llama, prompts, params, NGRAM)
+    assert tokens(fast) == tokens(plain)
+    assert [request[0].text for request in fast] == [request[0].text for request in plain]
+    assert engine.stats().spec_num_drafts > 0
+
+
+def test_speculation_stops_above_its_batch_size(tiny_llama):
+    prompts = grounded_prompts(6, seed=6)
+    _, engine = run(tiny_llama, prompts, greedy(20), NGRAM | {"disable_by_batch_size": 5})
+    # Six sequences run together until the first finish; none of them speculates before.
+    assert engine.stats().spec_num_drafts == 0
+    _, engine = run(tiny_llama, prompts[:5], greedy(20), NGRAM | {"disable_by_batch_size": 5})
+    assert engine.stats().spec_num_drafts > 0
+
+
+def test_beam_search_and_n_samples_run_beside_speculation(tiny_llama):
+    """Beams do not speculate; best_of forks at the first token, then each sample speculates on its own."""
+    prompts = grounded_prompts(4, seed=7)
+    params = [
+        SamplingParams(n=3, best_of=4, seed=3, max_tokens=20),
+        greedy(20),
+        greedy(20, min_tokens=5),
+        BeamSearchParams(beam_width=2, max_tokens=8),
+    ]
+    plain, _ = run(tiny_llama, prompts, params, None)
+    fast, engine = run(tiny_llama, prompts, params, NGRAM)
+    assert tokens(fast) == tokens(plain)
+    assert engine.stats().spec_num_drafts > 0
+
+
+def test_a_stop_string_inside_accepted_guesses_drops_the_tokens_after_it():
+    """The real model copying its input accepts several guesses a step, so a stop string often ends inside them:
+    the tokens after it are dropped, as if they had never been picked."""
+    params = SamplingParams(temperature=0.0, max_tokens=60, logprobs=1)
+    plain = LLM(dtype="float32", num_kv_blocks=128)
+    fast = LLM(dtype="float32", num_kv_blocks=128, speculative_config=COPYING)
+    full = plain.chat(TYPOS, params, use_tqdm=False)[0].outputs[0].text
+    for stop in ("blocks", "pool", "memory"):
+        assert stop in full
+        stopped = SamplingParams(temperature=0.0, max_tokens=60, logprobs=1, stop=[stop])
+        expected = plain.chat(TYPOS, stopped, use_tqdm=False)[0].outputs[0]
+        got = fast.chat(TYPOS, stopped, use_tqdm=False)[0].outputs[0]
+        assert (got.text, got.token_ids, got.stop_reason) == (expected.text, expected.token_ids, stop)
+        assert len(got.logprobs) == len(got.token_ids)
+        assert got.cumulative_logprob == pytest.approx(expected.cumulative_logprob, abs=1e-4)
+    assert fast.stats().kv_blocks_used == 0
