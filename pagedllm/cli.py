@@ -13,6 +13,7 @@ from pagedllm.benchmarks.accuracy import add_bench_accuracy_args, run_bench_accu
 from pagedllm.benchmarks.memory import add_bench_memory_args, run_bench_memory
 from pagedllm.benchmarks.serve import add_bench_serve_args, run_bench_serve
 from pagedllm.benchmarks.soak import add_bench_soak_args, run_bench_soak
+from pagedllm.benchmarks.speculative import add_bench_speculative_args, run_bench_speculative
 from pagedllm.benchmarks.structured import add_bench_structured_args, run_bench_structured
 from pagedllm.benchmarks.throughput import add_bench_throughput_args, run_bench_throughput
 from pagedllm.config import (
@@ -186,6 +187,11 @@ def make_parser() -> argparse.ArgumentParser:
     )
     add_bench_accuracy_args(bench_accuracy)
     bench_accuracy.set_defaults(handler=run_bench_accuracy)
+    bench_speculative = benchmarks.add_parser(
+        "speculative", help="TPOT of input-grounded requests one at a time, with and without speculative decoding"
+    )
+    add_bench_speculative_args(bench_speculative)
+    bench_speculative.set_defaults(handler=run_bench_speculative)
     return parser
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import math
 import os
 import signal
@@ -36,6 +37,7 @@ from pagedllm.domains import (
     FolderPaths,
     Hosts,
     Integers,
+    JsonObjects,
     Reals,
     Texts,
     Tuples,
@@ -52,6 +54,14 @@ HERE = Path(__file__).resolve()
 MISSING = HERE.parent / "no-such-folder"
 LETTERS = st.text(string.ascii_letters, min_size=1, max_size=8)  # no Unicode digits: int("٣") is 3
 DTYPE_NAMES = ("auto", "float32", "float", "bfloat16", "float16", "half")
+# speculative_config with every key at an edge of its range.
+SPECULATIVE_EDGE = {
+    "method": "ngram",
+    "num_speculative_tokens": 32,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 1024,
+    "disable_by_batch_size": 1,
+}
 
 
 # ---- values at and beyond the edges of each kind of domain --------------------------------------------
@@ -96,6 +106,9 @@ def bad_texts(domain: Domain) -> st.SearchStrategy[str]:
             return st.tuples(good, item).map(lambda parts: ",".join([*parts[0], parts[1]])) | st.just(",")
         case DTypes():
             return st.text().filter(lambda text: text not in DTYPE_NAMES)
+        case JsonObjects(keys=keys):
+            unknown = st.text(min_size=1).filter(lambda key: key not in keys).map(lambda key: json.dumps({key: 1}))
+            return unknown | LETTERS | st.sampled_from(["", "[]", "1", "null", '"ngram"', "{", "{'method': 1}"])
     raise AssertionError(f"no cases for {domain!r}: add its kind here")
 
 
@@ -150,6 +163,8 @@ def good_texts(domain: Domain) -> list[str]:
             return [good_texts(of)[0], ",".join(good_texts(of))]
         case DTypes():
             return list(DTYPE_NAMES)
+        case JsonObjects():  # the one such option: speculative_config, whose reader checks the values
+            return ['{"method": "ngram", "num_speculative_tokens": 1}', json.dumps(SPECULATIVE_EDGE)]
     raise AssertionError(f"no cases for {domain!r}: add its kind here")
 
 
@@ -167,6 +182,8 @@ def good_values(domain: Domain) -> list[object]:
             return [*good_texts(domain), *map(Path, good_texts(domain))]
         case DTypes():
             return [*DTYPE_NAMES, torch.float32, torch.bfloat16, torch.float16]
+        case JsonObjects():
+            return [json.loads(text) for text in good_texts(domain)]
     return list(good_texts(domain))
 
 

@@ -4,8 +4,12 @@ the target rejects give their slots back; and the counts say how many were accep
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
+import sys
 
+import httpx
 import pytest
 
 from pagedllm import LLM, LLMEngine, SamplingParams
@@ -15,6 +19,7 @@ from pagedllm.kv.kv_cache_manager import blocks_needed
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.speculative import SpeculativeConfig, propose_ngram
 from tests.test_engine import check_accounting
+from tests.test_server import start_server, stop_server
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
@@ -258,3 +263,56 @@ def test_a_stop_string_inside_accepted_guesses_drops_the_tokens_after_it():
         assert len(got.logprobs) == len(got.token_ids)
         assert got.cumulative_logprob == pytest.approx(expected.cumulative_logprob, abs=1e-4)
     assert fast.stats().kv_blocks_used == 0
+
+
+# ---- served ---------------------------------------------------------------------------------------
+
+
+def test_the_server_speculates_and_counts_it_in_metrics(tiny_llama, tmp_path):
+    prompts = grounded_prompts(8)  # the batch test's: some guesses are accepted
+    expected, _ = run(tiny_llama, prompts, greedy(40), None)
+    log = tmp_path / "server.log"
+    server = start_server(tiny_llama, log, "--speculative-config", json.dumps(NGRAM))
+    try:
+        for prompt, completions in zip(prompts, expected, strict=True):
+            body = {"prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+            response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+            assert response.status_code == 200, response.text
+            assert response.json()["choices"][0]["text"] == completions[0].text
+        metrics = server.wait_for("pagedllm:spec_decode_num_drafts_total", lambda v: v > 0)
+        assert metrics > 0
+        drafted = server.metric("pagedllm:spec_decode_num_draft_tokens_total")
+        accepted = server.metric("pagedllm:spec_decode_num_accepted_tokens_total")
+        assert 0 < accepted < drafted
+        assert server.metric("pagedllm:spec_decode_acceptance_rate") == pytest.approx(accepted / drafted)
+    finally:
+        assert stop_server(server) == 0, log.read_text()
+
+
+def test_the_command_line_refuses_bad_settings_naming_them(tiny_llama):
+    bad = json.dumps({"method": "ngram", "num_speculative_tokens": 0})
+    result = subprocess.run(
+        [sys.executable, "-m", "pagedllm", "generate", "--model", str(tiny_llama), "--speculative-config", bad, "x"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0 and "num_speculative_tokens must be an integer from 1 to 32, got 0" in result.stderr
+    not_json = subprocess.run(
+        [sys.executable, "-m", "pagedllm", "generate", "--speculative-config", "{method: ngram}", "x"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert not_json.returncode == 2 and "--speculative-config" in not_json.stderr
+
+
+def test_speculation_under_tensor_parallelism_equals_one_process(tiny_llama):
+    prompts = [{"prompt_token_ids": prompt} for prompt in grounded_prompts(8)]
+    options = {"model": tiny_llama, "dtype": "float32", "speculative_config": NGRAM}
+    expected = LLM(**options).generate(prompts, greedy(), use_tqdm=False)
+    llm = LLM(**options, tensor_parallel_size=2)
+    got = llm.generate(prompts, greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    assert llm.stats().spec_num_accepted_tokens > 0
+    llm.engine.shutdown()

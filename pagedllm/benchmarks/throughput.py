@@ -39,7 +39,14 @@ import torch
 from pagedllm.beam_search import BeamSearchParams
 from pagedllm.benchmarks.near_tie import compare_sequences, float32_logprobs
 from pagedllm.benchmarks.workloads import WORKLOADS, Workload, make_workload
-from pagedllm.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEVICES, DTypes, resolve_dtype
+from pagedllm.config import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEVICES,
+    DTypes,
+    EngineConfig,
+    add_option_flag,
+    resolve_dtype,
+)
 from pagedllm.domains import (
     NON_NEGATIVE_INTS,
     POSITIVE_INTS,
@@ -74,6 +81,7 @@ class BenchSetup:
     check: int = 4  # requests whose outputs are compared with the reference (greedy workloads)
     model: str | Path | None = None  # what pagedllm reads, as named (a GGUF file runs quantized); None: `folder`
     dequantize: bool = False
+    speculative_config: dict | None = None  # pagedllm's speculative decoding, as `LLM(speculative_config=...)`
 
 
 @dataclass(slots=True)
@@ -118,6 +126,7 @@ def run_pagedllm(setup: BenchSetup, workload: Workload) -> EngineResult:
         max_model_len=setup.max_model_len,
         device=setup.device,
         dequantize=setup.dequantize,
+        speculative_config=setup.speculative_config,
     )
     load_seconds = time.perf_counter() - start
     prompts = [{"prompt_token_ids": list(r.prompt)} for r in workload.requests]
@@ -148,6 +157,8 @@ def run_pagedllm(setup: BenchSetup, workload: Workload) -> EngineResult:
         "peak_kv_blocks": stats.kv_blocks_peak,
         "preemptions": stats.num_preemptions,
         "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
+        "spec_acceptance_rate": stats.spec_acceptance_rate,
+        "spec_mean_accepted_length": stats.spec_mean_accepted_length,
         "step_seconds": stats.step_seconds,
     }
     return result
@@ -424,6 +435,7 @@ def add_bench_throughput_args(parser: argparse.ArgumentParser) -> None:
         help="pagedllm dequantizes a GGUF file's weights at load (default: it runs them quantized)",
         **Booleans().flag_kwargs(),
     )
+    add_option_flag(parser, EngineConfig, "speculative_config")
     parser.add_argument("--threads", default=torch.get_num_threads(), **POSITIVE_INTS.flag_kwargs())
     parser.add_argument("--seed", default=0, **SEEDS.flag_kwargs())
     parser.add_argument("--device", default="cpu", **Choices(DEVICES).flag_kwargs())
@@ -460,6 +472,7 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
         check=args.check,
         model=default_model_file() if args.model is None else args.model,
         dequantize=args.dequantize,
+        speculative_config=args.speculative_config,
     )
     workload = make_workload(args.workload, args.num_prompts, model_config.vocab_size, max_model_len, args.seed)
     results = run_engines(setup, workload, list(args.engines))

@@ -41,7 +41,11 @@ class ServerMetrics:
     def __init__(self) -> None:
         self.registry = registry = CollectorRegistry()
         self._gauges = {name: Gauge(f"pagedllm:{name}", doc, registry=registry) for name, (_, doc) in _GAUGES.items()}
-        self._preemptions = Counter("pagedllm:num_preemptions", "Sequences preempted", registry=registry)
+        # Counters of totals the engine keeps since it started: a Prometheus counter only moves by deltas.
+        self._totals = {
+            stat: Counter(f"pagedllm:{name}", doc, registry=registry) for name, (stat, doc) in _TOTALS.items()
+        }
+        self._last_totals = {stat: 0 for stat, _ in _TOTALS.values()}
         self._prompt_tokens = Counter("pagedllm:prompt_tokens", "Prompt tokens processed", registry=registry)
         self._generation_tokens = Counter("pagedllm:generation_tokens", "Tokens generated", registry=registry)
         self._finished = Counter(
@@ -65,15 +69,15 @@ class ServerMetrics:
             buckets=_E2E_BUCKETS,
             registry=registry,
         )
-        self._last_preemptions = 0
 
     def observe_engine(self, stats: EngineStats) -> None:
         for name, (stat, _) in _GAUGES.items():
             # getattr: fields that newer engines add (prefix caching, swapping) read as 0 on older ones.
             self._gauges[name].set(getattr(stats, stat, 0.0))
-        # The engine counts preemptions since it started; a Prometheus counter only moves forward by deltas.
-        self._preemptions.inc(max(stats.num_preemptions - self._last_preemptions, 0))
-        self._last_preemptions = stats.num_preemptions
+        for stat, counter in self._totals.items():
+            total = getattr(stats, stat)
+            counter.inc(max(total - self._last_totals[stat], 0))
+            self._last_totals[stat] = total
 
     def observe_first_token(self, ttft: float, num_prompt_tokens: int) -> None:
         self._ttft.observe(ttft)
@@ -104,4 +108,16 @@ _GAUGES = {
     "kv_utilization": ("kv_utilization", "Tokens stored over the slots of the blocks that hold them"),
     "prefix_cache_hit_rate": ("prefix_cache_hit_rate", "Prompt tokens served from the prefix cache over prompt tokens"),
     "swapped_blocks": ("num_swapped_out_blocks", "KV blocks swapped out to CPU swap space"),
+    "spec_decode_acceptance_rate": ("spec_acceptance_rate", "Speculated tokens accepted over those guessed"),
+    "spec_decode_mean_accepted_length": (
+        "spec_mean_accepted_length",
+        "Tokens per checked proposal, the target's own pick after the accepted guesses included",
+    ),
+}
+# Counter name -> (EngineStats total, help); vLLM's names for speculative decoding's.
+_TOTALS = {
+    "num_preemptions": ("num_preemptions", "Sequences preempted"),
+    "spec_decode_num_drafts": ("spec_num_drafts", "Speculative proposals checked"),
+    "spec_decode_num_draft_tokens": ("spec_num_draft_tokens", "Tokens speculated"),
+    "spec_decode_num_accepted_tokens": ("spec_num_accepted_tokens", "Speculated tokens the target accepted"),
 }
