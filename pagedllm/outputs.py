@@ -112,6 +112,10 @@ class KVSnapshot:
     sequences: list[SequenceKV]  # every live sequence, by request arrival
     # Of one block, K and V of every layer (an int8 cache's scales included); the pool is num_blocks of them.
     bytes_per_block: int = 0
+    # Speculative decoding since the engine started, as `EngineStats`' counts.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
     def as_dict(self) -> dict:
         """A JSON-ready dict; shallow (the lists are shared, not copied) because it can hold 100,000s of ids."""

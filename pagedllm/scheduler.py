@@ -439,6 +439,9 @@ class Scheduler:
             swapped_out_blocks=pool.swapped_out_blocks,
             num_preemptions=self.num_preemptions,
             sequences=[self._sequence_kv(seq) for group in self.groups.values() for seq in group.live_seqs()],
+            spec_num_drafts=self.spec.num_drafts,
+            spec_num_draft_tokens=self.spec.num_draft_tokens,
+            spec_num_accepted_tokens=self.spec.num_accepted_tokens,
         )
 
     def _sequence_kv(self, seq: Sequence) -> SequenceKV:

@@ -45,7 +45,8 @@ class StructuredOutputCompiler:
                 schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json, sort_keys=True)
                 return compiler.compile_grammar(_json_schema_grammar(schema))
             if kind == "json_object":
-                return compiler.compile_builtin_json_grammar()
+                # An object, as OpenAI's json_object promises (xgrammar's built-in JSON grammar takes any value).
+                return compiler.compile_grammar(_json_schema_grammar('{"type": "object"}'))
             if kind == "regex":
                 return compiler.compile_regex(spec.regex)
             if kind == "choice":

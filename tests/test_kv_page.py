@@ -242,21 +242,24 @@ def page_state(driver) -> dict:
     )
 
 
-def hover_a_request(driver, tries: int = 10) -> None:
-    """Hover a request's row (the page then marks its blocks). The table is redrawn up to ten times a second, so
-    the row found may be gone before the pointer reaches it: find it again, up to `tries` times."""
-    from selenium.common.exceptions import StaleElementReferenceException
+def hover_a_request(driver, timeout: float = 5.0) -> None:
+    """Hover a request's row (the page then marks its blocks), for the screenshot. The table is redrawn up to ten
+    times a second, and between two requests of the load it may have no row at all: the row found may be gone
+    before the pointer reaches it, so look again until `timeout`."""
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
 
-    for attempt in range(tries):
-        row = driver.find_element(By.CSS_SELECTOR, "#kv-requests tbody tr")
+    deadline = time.monotonic() + timeout
+    while True:
         try:
+            row = driver.find_element(By.CSS_SELECTOR, "#kv-requests tbody tr")
             ActionChains(driver).move_to_element(row).perform()
             return
-        except StaleElementReferenceException:
-            if attempt == tries - 1:
+        except (NoSuchElementException, StaleElementReferenceException):
+            if time.monotonic() > deadline:
                 raise
+            time.sleep(0.02)
 
 
 def wait_page(driver, accept, timeout: float) -> dict:

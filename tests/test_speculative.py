@@ -285,6 +285,8 @@ def test_the_server_speculates_and_counts_it_in_metrics(tiny_llama, tmp_path):
         accepted = server.metric("pagedllm:spec_decode_num_accepted_tokens_total")
         assert 0 < accepted < drafted
         assert server.metric("pagedllm:spec_decode_acceptance_rate") == pytest.approx(accepted / drafted)
+        snapshot = httpx.get(f"{server.url}/kv/snapshot", timeout=10).json()  # what the KV page shows
+        assert (snapshot["spec_num_draft_tokens"], snapshot["spec_num_accepted_tokens"]) == (drafted, accepted)
     finally:
         assert stop_server(server) == 0, log.read_text()
 

@@ -117,6 +117,11 @@ function drawTotals(frame) {
   $("kv-swapped").textContent = frame.swapped_out_blocks;
   $("kv-eta").textContent = frame.kv_utilization.toFixed(3);
   $("kv-step").textContent = frame.step;
+  // Speculative decoding: the share of guessed tokens accepted, and the tokens a checked proposal yields.
+  $("kv-spec").textContent = frame.spec_num_draft_tokens
+    ? `${(frame.spec_num_accepted_tokens / frame.spec_num_draft_tokens * 100).toFixed(0)}% ` +
+      `(${(1 + frame.spec_num_accepted_tokens / frame.spec_num_drafts).toFixed(2)})`
+    : "–";
   const poolBytes = frame.num_blocks * frame.bytes_per_block;
   $("kv-block-size").textContent =
     `(${frame.num_blocks} blocks of ${frame.block_size} tokens, ` +
