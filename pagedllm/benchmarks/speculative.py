@@ -1,6 +1,8 @@
 """`pagedllm bench speculative`: time per output token of input-grounded requests (the answer copies spans of
 the prompt: typos corrected, sentences extracted, code with a small edit), one request at a time, with and without
-speculative decoding, in turn in one process. Greedy: both answers must be the same tokens.
+speculative decoding, in turn in one process. Greedy, and in float32 both answers must be the same tokens; in bf16
+a step's rounding depends on how many rows it has (some kernels change with the row count), so a near-tie may
+go the other way, and the table says how many answers were identical.
 
     pagedllm bench speculative [--model M] [--dtype D] [--speculative-config JSON] [--rounds 2]
 """
@@ -12,6 +14,8 @@ import json
 import statistics
 import time
 from dataclasses import asdict, dataclass
+
+import torch
 
 from pagedllm.config import DTypes, EngineConfig, add_option_flag
 from pagedllm.domains import POSITIVE_INTS, ExistingPaths
@@ -103,15 +107,17 @@ def run_bench_speculative(args: argparse.Namespace) -> int:
     print(
         f"speculative_config: {json.dumps(args.speculative_config)}; {len(TASKS)} input-grounded tasks, one at a time"
     )
-    print(f"{'round':>5} {'TPOT off ms':>12} {'TPOT on ms':>11} {'off/on':>7} {'acceptance':>11} {'mean accepted':>14}")
+    header = ("round", "TPOT off ms", "TPOT on ms", "off/on", "acceptance", "mean accepted", "identical")
+    print(" ".join(f"{name:>{width}}" for name, width in zip(header, (5, 12, 11, 7, 11, 14, 9), strict=True)))
     for round_ in range(args.rounds):
         off, off_tokens = time_tasks(engines["off"], args.max_tokens)
         on, on_tokens = time_tasks(engines["on"], args.max_tokens)
-        if on_tokens != off_tokens:
-            raise RuntimeError("greedy output with speculation differs from the output without it")
+        same = sum(a == b for a, b in zip(on_tokens, off_tokens, strict=True))
+        if same < len(TASKS) and engines["on"].engine.config.torch_dtype == torch.float32:
+            raise RuntimeError("float32 greedy output with speculation differs from the output without it")
         print(
             f"{round_ + 1:>5} {off.tpot_ms:>12.2f} {on.tpot_ms:>11.2f} {off.tpot_ms / on.tpot_ms:>6.2f}x "
-            f"{on.acceptance_rate:>11.2f} {on.mean_accepted_length:>14.2f}"
+            f"{on.acceptance_rate:>11.2f} {on.mean_accepted_length:>14.2f} {same:>6}/{len(TASKS)}"
         )
-        print(json.dumps({"round": round_ + 1, "off": asdict(off), "on": asdict(on)}))
+        print(json.dumps({"round": round_ + 1, "off": asdict(off), "on": asdict(on), "identical_outputs": same}))
     return 0
