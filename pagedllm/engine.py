@@ -32,6 +32,7 @@ from pagedllm.speculative import SpeculativeConfig
 from pagedllm.step import ModelOutput, SchedulerOutput
 from pagedllm.structured_output import StructuredOutputCompiler
 from pagedllm.worker.cache_engine import KVShape
+from pagedllm.worker.draft import DraftModel
 from pagedllm.worker.group import TensorParallelGroup, pool_size
 from pagedllm.worker.worker import StageError, StepTimer, Worker
 
@@ -68,7 +69,12 @@ class LLMEngine:
         lean = reads_lean_folder(config.device, config.tensor_parallel_size, config.dequantize)
         folder = resolve_model_folder(config.model, lean)
         model_config = ModelConfig.from_folder(folder)
-        pool = pool_size(config, model_config)
+        settings = config.speculative_config
+        speculative = None if settings is None else SpeculativeConfig.from_dict(settings)
+        draft_config = None
+        if speculative is not None and speculative.model is not None:
+            draft_config = ModelConfig.from_folder(resolve_model_folder(speculative.model, lean))
+        pool = pool_size(config, model_config, draft_config)
         num_blocks, num_cpu_blocks = pool.num_blocks, pool.num_cpu_blocks
         self._bytes_per_block = pool.bytes_per_block
         self._group = TensorParallelGroup.start(config, model_config, folder, pool)
@@ -99,10 +105,18 @@ class LLMEngine:
             self.sequences,
             eos_ids,
             self.max_model_len,
-            None if config.speculative_config is None else SpeculativeConfig.from_dict(config.speculative_config),
+            speculative,
         )
+        draft = None if speculative is None or speculative.model is None else self._load_draft(speculative.model)
         self.worker = Worker(
-            self.loaded.model, shape, num_blocks, num_cpu_blocks, config.device, eos_ids, self._group.shard is not None
+            self.loaded.model,
+            shape,
+            num_blocks,
+            num_cpu_blocks,
+            config.device,
+            eos_ids,
+            self._group.shard is not None,
+            draft,
         )
         self._finalizer = weakref.finalize(self, self._group.stop, self.worker)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -330,6 +344,23 @@ class LLMEngine:
         if len(failed) == len(parts):
             logger.error("every request of the failed step failed alone too: the fault is not one request's")
         return ran, output, failed
+
+    def _load_draft(self, path: str) -> DraftModel:
+        """Speculative decoding's draft model, with a pool of the target's blocks; it must share the target's
+        vocabulary, since its guesses are the target's token ids."""
+        config = self.config
+        loaded = load_model(path, config.torch_dtype, config.device, None, config.dequantize, config.quantization)
+        if loaded.tokenizer.get_vocab() != self.tokenizer.get_vocab() or loaded.config.vocab_size != self.vocab_size:
+            raise ValueError(
+                f"speculative_config: the draft model {path!r} has another vocabulary than the model "
+                f"({loaded.config.vocab_size} ids against {self.vocab_size}, or other tokens): its guesses would be "
+                "other tokens"
+            )
+        model = loaded.model
+        dims = (model.num_layers, model.num_kv_heads, model.head_dim, config.block_size)
+        shape = KVShape.of(*dims, config.torch_dtype, config.kv_cache_dtype)
+        kv = self.scheduler.kv
+        return DraftModel(model, shape, kv.num_blocks, kv.cpu_pool.num_blocks if kv.cpu_pool else 0, config.device)
 
     def _retire(self, processed: ProcessedStep, failed: dict[str, Exception]) -> None:
         """Free what stop strings finished, drop finished requests, abort the ones that failed."""

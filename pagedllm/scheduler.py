@@ -132,10 +132,10 @@ class Scheduler:
             num_new = min(seq.num_uncomputed_tokens, budget - spent)
             if num_new == 0:
                 continue  # budget spent, or a beam already waiting for its siblings
-            drafts = self._drafts(group, seq, budget - spent)
-            if drafts and self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, 1 + len(drafts), out.copies):
-                out.scheduled.append(ScheduledSeq(seq, 1 + len(drafts), draft_token_ids=drafts))
-                spent += 1 + len(drafts)
+            num_drafts, drafts = self._drafts(group, seq, budget - spent)
+            if num_drafts and self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, 1 + num_drafts, out.copies):
+                out.scheduled.append(ScheduledSeq(seq, 1 + num_drafts, draft_token_ids=drafts, num_drafts=num_drafts))
+                spent += 1 + num_drafts
                 continue
             while not self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new, out.copies):
                 if not may_preempt:
@@ -148,13 +148,14 @@ class Scheduler:
             spent += num_new
         return spent
 
-    def _drafts(self, group: SequenceGroup, seq: Sequence, budget: int) -> list[int]:
-        """Guesses of the tokens after a decoding sequence's next one, when this step speculates: never past
-        its max_tokens, the model's length or the step's budget. Beam search does not speculate."""
+    def _drafts(self, group: SequenceGroup, seq: Sequence, budget: int) -> tuple[int, list[int]]:
+        """How many guesses follow a decoding sequence's next token, when this step speculates (never past its
+        max_tokens, the model's length or the step's budget), and the n-gram proposer's guesses. Beam search
+        does not speculate."""
         if not self._speculating or group.beam is not None or seq.num_uncomputed_tokens != 1:
-            return []
+            return 0, []
         if seq.num_output_tokens == 0:
-            return []  # its prompt's last token: parallel samples fork from that row
+            return 0, []  # its prompt's last token: parallel samples fork from that row
         assert self.speculative is not None
         limit = min(seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens, budget) - 1
         return self.speculative.propose(seq.token_ids, limit)
@@ -253,10 +254,12 @@ class Scheduler:
             if group.beam is not None:
                 out.samples.append(SampleRow(seq, row, num_beam_candidates=group.beam.num_candidates))
             else:
-                out.samples.append(SampleRow(seq, row, draft_token_ids=item.draft_token_ids))
+                out.samples.append(
+                    SampleRow(seq, row, draft_token_ids=item.draft_token_ids, num_drafts=item.num_drafts)
+                )
                 for index in range(1, group.pending_forks + 1):
                     out.samples.append(SampleRow(self.sequences.fork(seq, index), row, forked_from=seq))
-            row += 1 + len(item.draft_token_ids)
+            row += 1 + item.num_drafts
 
     def _group_of(self, seq: Sequence) -> SequenceGroup:
         return self.groups[seq.request_id]
@@ -270,7 +273,7 @@ class Scheduler:
         the error, for the caller to abort: its matchers' state is unknown."""
         for item in out.scheduled:
             # A draft's slot counts once the draft is accepted (`_settle_drafts`).
-            item.seq.num_computed_tokens += item.num_new_tokens - len(item.draft_token_ids)
+            item.seq.num_computed_tokens += item.num_new_tokens - item.num_drafts
             self.kv.register_computed(item.seq.seq_id, item.seq.token_ids, item.seq.num_computed_tokens)
         touched = dict.fromkeys(item.seq.request_id for item in out.scheduled)
         update = StepUpdate(groups=[self.groups[request_id] for request_id in touched])
@@ -313,8 +316,8 @@ class Scheduler:
             update.new_tokens.append(new)
             if new.stop is not None:
                 break
-        if sample.draft_token_ids:
-            self._settle_drafts(seq, len(sample.draft_token_ids), len(row.following))
+        if sample.num_drafts:
+            self._settle_drafts(seq, sample.num_drafts, len(row.following))
 
     def _settle_drafts(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         """The accepted drafts' slots hold their K/V: they count as computed, and their full blocks enter the

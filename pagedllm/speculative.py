@@ -9,14 +9,15 @@ copies spans of its input (edits, extraction, code) is where it guesses right.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-# vLLM's names; `model` (a draft model) is the other method, not built yet.
+# vLLM's names: `method` "ngram", or a draft `model` (method "draft_model", implied by the key).
 KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size", "model")
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 32
 # Above this many running sequences a step is compute-bound on a CPU, and verifying guesses costs what it saves.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
@@ -29,6 +30,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int
     prompt_lookup_max: int
     disable_by_batch_size: int
+    model: str | None = None  # the draft model (an HF folder or a GGUF file) of method "draft_model"
 
     @classmethod
     def from_dict(cls, settings: dict[str, Any]) -> SpeculativeConfig:
@@ -36,9 +38,8 @@ class SpeculativeConfig:
         unknown = [key for key in settings if key not in KEYS]
         if unknown:
             raise ValueError(f"speculative_config: unknown key {unknown[0]!r} (known: {', '.join(KEYS)})")
-        if "model" in settings:
-            raise ValueError("speculative_config: a draft 'model' is not supported yet; use method 'ngram'")
-        method = settings.get("method")
+        model = settings.get("model")
+        method = settings.get("method", "draft_model" if model is not None else None)
         if method not in METHODS:
             raise ValueError(f"speculative_config: method must be one of {', '.join(METHODS)}, got {method!r}")
         k = _positive(settings, "num_speculative_tokens", None, MAX_SPECULATIVE_TOKENS)
@@ -55,14 +56,23 @@ class SpeculativeConfig:
                 f"({prompt_lookup_max})"
             )
         disable = _positive(settings, "disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE, 2**31 - 1)
-        return cls(method, k, prompt_lookup_min, prompt_lookup_max, disable)
+        if (method == "draft_model") != (model is not None):
+            needs = "needs" if model is None else "takes no"
+            raise ValueError(f"speculative_config: method {method!r} {needs} 'model'")
+        if model is not None and (not isinstance(model, str) or not Path(model).exists()):
+            raise ValueError(f"speculative_config: model must be an existing folder or .gguf file, got {model!r}")
+        return cls(method, k, prompt_lookup_min, prompt_lookup_max, disable, model)
 
-    def propose(self, token_ids: list[int], limit: int) -> list[int]:
-        """Up to min(num_speculative_tokens, limit) tokens to follow `token_ids`."""
+    def propose(self, token_ids: list[int], limit: int) -> tuple[int, list[int]]:
+        """How many guesses follow `token_ids` this step (at most min(num_speculative_tokens, limit)), and the
+        guesses where the proposer is the n-gram one; a draft model's are picked by the worker, in those slots."""
         k = min(self.num_speculative_tokens, limit)
         if k <= 0:
-            return []
-        return propose_ngram(token_ids, k, self.prompt_lookup_min, self.prompt_lookup_max)
+            return 0, []
+        if self.method == "draft_model":
+            return k, []
+        guesses = propose_ngram(token_ids, k, self.prompt_lookup_min, self.prompt_lookup_max)
+        return len(guesses), guesses
 
 
 def _positive(settings: dict[str, Any], key: str, default: int | None, high: int) -> int:

@@ -16,12 +16,15 @@ from pagedllm.stopping import StopDecision
 @dataclass(slots=True)
 class ScheduledSeq:
     """Tokens `start .. start + num_new_tokens` of the sequence run this step; with speculation the last
-    `len(draft_token_ids)` of them are guesses that follow the sequence's tokens (each gets logits too)."""
+    `num_drafts` of them are guesses that follow the sequence's tokens (each gets logits too). The n-gram
+    proposer's guesses are known when scheduled; a draft model's are picked by the worker before the forward
+    pass, into this same list (which the sample row shares)."""
 
     seq: Sequence
     num_new_tokens: int
     block_table: list[int] = field(default_factory=list)  # filled in once the step's allocations are final
     draft_token_ids: list[int] = field(default_factory=list)
+    num_drafts: int = 0
 
     @property
     def start(self) -> int:
@@ -31,7 +34,7 @@ class ScheduledSeq:
     @property
     def completes(self) -> bool:
         """True when this chunk reaches the end of the sequence, so its last logits pick the next token."""
-        return self.seq.num_computed_tokens + self.num_new_tokens - len(self.draft_token_ids) == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_new_tokens - self.num_drafts == self.seq.num_tokens
 
     @property
     def input_ids(self) -> list[int]:
@@ -48,7 +51,8 @@ class SampleRow:
     logits_row: int  # with drafts, the first of len(draft_token_ids) + 1 consecutive rows
     forked_from: Sequence | None = None  # joins the request (sharing the parent's blocks) in `update`
     num_beam_candidates: int = 0  # a beam: its best continuations are returned instead of a sampled token
-    draft_token_ids: list[int] = field(default_factory=list)  # the guesses its later rows check
+    draft_token_ids: list[int] = field(default_factory=list)  # the guesses its later rows check (`ScheduledSeq`'s)
+    num_drafts: int = 0
 
 
 @dataclass(slots=True)

@@ -18,6 +18,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.kv.kv_cache_manager import blocks_needed
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.speculative import SpeculativeConfig, propose_ngram
+from tests.conftest import save_tiny_llama
 from tests.test_engine import check_accounting
 from tests.test_server import start_server, stop_server
 
@@ -97,9 +98,10 @@ def test_settings_take_vllms_names_and_defaults():
         ({"method": "ngram"}, "num_speculative_tokens is required"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
         ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens must be"),
-        ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of ngram, got 'eagle'"),
+        ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of ngram, draft_model, got 'eagle'"),
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "exceeds"),
-        ({"model": "draft.gguf", "num_speculative_tokens": 2}, "draft 'model' is not supported yet"),
+        ({"model": "no-such-draft.gguf", "num_speculative_tokens": 2}, "model must be an existing folder"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "method 'draft_model' needs 'model'"),
         (
             {"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1},
             "speculative_config must be a JSON object with keys among method.*'lookahead'",
@@ -318,3 +320,48 @@ def test_speculation_under_tensor_parallelism_equals_one_process(tiny_llama):
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
     assert llm.stats().spec_num_accepted_tokens > 0
     llm.engine.shutdown()
+
+
+# ---- a draft model --------------------------------------------------------------------------------
+
+
+def draft(folder) -> dict:
+    return {"model": str(folder), "num_speculative_tokens": 4}
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"max_num_batched_tokens": 24}, {"block_size": 4, "num_kv_blocks": 48}],
+    ids=["batch", "chunked", "recompute"],
+)
+def test_a_draft_identical_to_the_target_has_every_guess_accepted(tiny_llama, options):
+    """The accounting test: the same weights guess exactly what the target picks (greedy, float32)."""
+    prompts = grounded_prompts(6, seed=9)
+    plain, _ = run(tiny_llama, prompts, greedy(30), None, **options)
+    fast, engine = run(tiny_llama, prompts, greedy(30), draft(tiny_llama), **options)
+    assert tokens(fast) == tokens(plain)
+    stats = engine.stats()
+    assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+    if "num_kv_blocks" in options:
+        assert stats.num_preemptions > 0
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_draft_that_guesses_wrong_still_gives_the_exact_output(tiny_llama, tmp_path, mode):
+    other = save_tiny_llama(tmp_path / "other", seed=5)  # same tokenizer, other weights
+    prompts = grounded_prompts(6, seed=10)
+    params = [greedy(30), SamplingParams(temperature=0.8, seed=4, max_tokens=30, ignore_eos=True)] * 3
+    options = {"block_size": 4, "num_kv_blocks": 48, "preemption_mode": mode, "swap_space": 0.01}
+    plain, _ = run(tiny_llama, prompts, params, None, **options)
+    fast, engine = run(tiny_llama, prompts, params, draft(other), **options)
+    assert tokens(fast) == tokens(plain)
+    stats = engine.stats()
+    assert stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens and stats.num_preemptions > 0
+
+
+def test_a_draft_with_another_vocabulary_is_refused(tiny_llama, tmp_path):
+    other = save_tiny_llama(tmp_path / "other", vocab_size=400)
+    with pytest.raises(ValueError, match="another vocabulary"):
+        LLM(model=tiny_llama, speculative_config=draft(other))
+    with pytest.raises(ValueError, match="draft model runs on one rank"):
+        LLM(model=tiny_llama, speculative_config=draft(tiny_llama), tensor_parallel_size=2)

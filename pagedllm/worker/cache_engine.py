@@ -39,9 +39,6 @@ class KVShape:
         element = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.row_width * element
 
-    def blocks_for_memory(self, num_bytes: int) -> int:
-        return num_bytes // self.bytes_per_block
-
 
 class CacheEngine:
     """Owns the KV tensors and the CPU swap space; carries out the block copies and swaps that the

@@ -32,21 +32,25 @@ class PoolSize:
     bytes_per_block: int  # of a whole block, every rank's KV heads together (scales included)
 
 
-def pool_size(config: EngineConfig, model_config: ModelConfig) -> PoolSize:
-    """From the options and the model's shape alone, so that every node computes the same pool."""
-    shape = KVShape.of(
-        model_config.num_hidden_layers,
-        model_config.num_key_value_heads,
-        model_config.head_dim,
-        config.block_size,
-        config.torch_dtype,
-        config.kv_cache_dtype,
+def pool_size(config: EngineConfig, model_config: ModelConfig, draft_config: ModelConfig | None = None) -> PoolSize:
+    """From the options and the model's shape alone, so that every node computes the same pool. A draft model's
+    pool has the same blocks (indexed alike), so a block's bytes are both models' and the memory is shared."""
+    bytes_per_block = sum(
+        KVShape.of(
+            shape.num_hidden_layers,
+            shape.num_key_value_heads,
+            shape.head_dim,
+            config.block_size,
+            config.torch_dtype,
+            config.kv_cache_dtype,
+        ).bytes_per_block
+        for shape in ([model_config] if draft_config is None else [model_config, draft_config])
     )
-    num_blocks = config.num_kv_blocks or shape.blocks_for_memory(config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY)
+    num_blocks = config.num_kv_blocks or (config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY) // bytes_per_block
     if num_blocks < 1:
-        raise ValueError(f"kv_cache_memory is too small for one block of {shape.bytes_per_block} bytes")
+        raise ValueError(f"kv_cache_memory is too small for one block of {bytes_per_block} bytes")
     swap_bytes = int(config.swap_space * (1 << 30)) if config.preemption_mode == "swap" else 0
-    return PoolSize(num_blocks, shape.blocks_for_memory(swap_bytes), shape.bytes_per_block)
+    return PoolSize(num_blocks, swap_bytes // bytes_per_block, bytes_per_block)
 
 
 def follower_specs(config: EngineConfig, folder: Path, pool: PoolSize, port: int) -> list[FollowerSpec]:

@@ -59,13 +59,13 @@ def build_batch(scheduled: list[ScheduledSeq], block_size: int) -> FlatBatch:
         row
         for i, item in enumerate(scheduled)
         if item.completes
-        for row in range(int(query_start[i + 1]) - 1 - len(item.draft_token_ids), int(query_start[i + 1]))
+        for row in range(int(query_start[i + 1]) - 1 - item.num_drafts, int(query_start[i + 1]))
     ]
     return FlatBatch(
         input_ids=torch.tensor(ids, dtype=torch.long),
         positions=torch.from_numpy(np.concatenate(positions)),
         slot_mapping=torch.from_numpy(np.concatenate(slots)),
-        block_tables=_pad_tables([item.block_table for item in scheduled]),
+        block_tables=pad_tables([item.block_table for item in scheduled]),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         query_start_loc=torch.from_numpy(query_start.astype(np.int32)),
         logits_index=torch.tensor(logits_rows, dtype=torch.long),
@@ -96,7 +96,7 @@ def _prompt_rows(scheduled: list[ScheduledSeq], query_start: np.ndarray) -> Prom
     return PromptRows(torch.tensor(index), torch.tensor(targets), spans)
 
 
-def _pad_tables(tables: list[list[int]]) -> torch.Tensor:
+def pad_tables(tables: list[list[int]]) -> torch.Tensor:
     width = max(len(t) for t in tables)
     padded = np.zeros((len(tables), width), dtype=np.int32)
     for row, table in enumerate(tables):
@@ -114,17 +114,25 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: FlatBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Float32 logits `[len(batch.logits_index), vocab]`, on the CPU where the sampler runs (each
-        sequence's RNG is a CPU generator); and the hidden states of `batch.prompt`'s rows, if any."""
+        """Float32 logits `[len(batch.logits_index), vocab]`, on the CPU where the sampler runs; and the hidden
+        states of `batch.prompt`'s rows, if any."""
+        hidden = self._forward(batch)
+        logits = self.model.compute_logits(hidden.index_select(0, batch.logits_index.to(self.device))).cpu()
+        prompt_hidden = None if batch.prompt is None else hidden.index_select(0, batch.prompt.index.to(self.device))
+        return logits, prompt_hidden
+
+    @torch.inference_mode()
+    def fill(self, batch: FlatBatch) -> None:
+        """Only the K/V of the batch's tokens (a draft model's, beside its target's step)."""
+        self._forward(batch)
+
+    def _forward(self, batch: FlatBatch) -> torch.Tensor:
         metadata = AttentionMetadata.build(
             batch.block_tables, batch.seq_lens, batch.query_start_loc, self.block_size, self.device
         )
         positions, slot_mapping = batch.positions.to(self.device), batch.slot_mapping.to(self.device)
         ctx = StepContext(positions, slot_mapping, metadata, self.attention, self.kv_caches)
-        hidden = self.model(batch.input_ids.to(self.device), ctx)
-        logits = self.model.compute_logits(hidden.index_select(0, batch.logits_index.to(self.device))).cpu()
-        prompt_hidden = None if batch.prompt is None else hidden.index_select(0, batch.prompt.index.to(self.device))
-        return logits, prompt_hidden
+        return self.model(batch.input_ids.to(self.device), ctx)
 
     @torch.inference_mode()
     def prompt_logits(self, hidden: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:

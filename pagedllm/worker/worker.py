@@ -27,6 +27,7 @@ from pagedllm.outputs import Logprob
 from pagedllm.sequence import Sequence
 from pagedllm.step import ModelOutput, RowOutput, SampleRow, SchedulerOutput
 from pagedllm.worker.cache_engine import CacheEngine, KVShape
+from pagedllm.worker.draft import DraftModel
 from pagedllm.worker.model_runner import FlatBatch, ModelRunner, PromptRows, build_batch
 from pagedllm.worker.sampler import Sampler, SamplingRow, token_logprobs, top_logprobs
 from pagedllm.worker.threads import ThreadChooser
@@ -37,6 +38,7 @@ MOVING_BLOCKS = "moving KV blocks (swap, copy-on-write)"
 FORWARD = "the forward pass"
 SAMPLING = "sampling"
 SCORING_PROMPT = "scoring the prompt"
+PROPOSING = "the draft model's guesses"
 
 
 class StageError(RuntimeError):
@@ -120,6 +122,7 @@ class Worker:
         device: str,
         eos_ids: frozenset[int],
         leads_group: bool = False,
+        draft: DraftModel | None = None,
     ) -> None:
         self.block_size = shape.block_size
         # Rank 0 of a tensor-parallel group: its steps' inputs go to the other ranks. (A process holds one
@@ -129,6 +132,7 @@ class Worker:
         self.runner = ModelRunner(model, self.cache.kv_caches, shape.block_size)
         self.sampler = Sampler()
         self.eos_ids = eos_ids
+        self.draft = draft  # speculative decoding's draft model, which never runs in a tensor-parallel group
         # On the CPU, each step runs on as many of torch's threads as measurement says pays for its size.
         self.threads = ThreadChooser(torch.get_num_threads() if device == "cpu" else 1)
 
@@ -136,7 +140,9 @@ class Worker:
         """Rank 0's step: the inputs go to the other ranks first, then every rank runs the same model
         call (their collectives meet), and rank 0 alone samples. A stage that raises raises `StageError`."""
         with stage(PREPARING):
-            batch = build_batch(out.scheduled, self.block_size) if out.scheduled else None
+            # A draft model's guesses are picked after the block moves (they write into the moved blocks).
+            ready = out.scheduled and self.draft is None
+            batch = build_batch(out.scheduled, self.block_size) if ready else None
         inputs = StepInputs(out.swap_out, out.copies, out.swap_in, batch)
         if self.leads_group:
             parallel.broadcast_from_first(inputs.for_other_ranks())
@@ -144,10 +150,17 @@ class Worker:
         with stage(MOVING_BLOCKS):
             self._move_blocks(inputs)
         timer.lap("swap/copy")
+        if self.draft is not None and out.scheduled:
+            with stage(PROPOSING):
+                self.draft.propose(out.scheduled)
+                batch = build_batch(out.scheduled, self.block_size)
+            timer.lap("propose")
         if batch is None:
             return ModelOutput()
         with self.threads.step(len(batch.input_ids)):
             with stage(FORWARD):
+                if self.draft is not None:
+                    self.draft.fill(batch)
                 logits, prompt_hidden = self.runner.run(batch)
             timer.lap("forward")
             with torch.inference_mode():
@@ -192,9 +205,10 @@ class Worker:
         return parallel.gather_objects(self.shard_report())
 
     def _move_blocks(self, inputs: StepInputs) -> None:
-        self.cache.swap_out(inputs.swap_out)
-        self.cache.copy(inputs.copies)
-        self.cache.swap_in(inputs.swap_in)
+        for cache in (self.cache,) if self.draft is None else (self.cache, self.draft.cache):
+            cache.swap_out(inputs.swap_out)
+            cache.copy(inputs.copies)
+            cache.swap_in(inputs.swap_in)
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, prompt: PromptRows
