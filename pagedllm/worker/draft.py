@@ -12,7 +12,7 @@ import torch
 from pagedllm.models.decoder import CausalLM
 from pagedllm.step import ScheduledSeq
 from pagedllm.worker.cache_engine import CacheEngine, KVShape
-from pagedllm.worker.model_runner import FlatBatch, ModelRunner, pad_tables
+from pagedllm.worker.model_runner import FlatBatch, ModelRunner, pad_tables, slots_of
 
 
 class DraftModel:
@@ -37,7 +37,6 @@ class DraftModel:
                 items[i].draft_token_ids.append(token)
                 tokens[i] = token
 
-    @torch.inference_mode()
     def fill(self, batch: FlatBatch) -> None:
         """The draft's K/V of every token of the target's step."""
         self.runner.fill(batch)
@@ -46,8 +45,9 @@ class DraftModel:
 def _one_token_each(items: list[ScheduledSeq], tokens: list[int], offset: int, block_size: int) -> FlatBatch:
     """A flat batch of one token per sequence, at position `start + offset`."""
     positions = np.array([item.start + offset for item in items], dtype=np.int64)
-    blocks = [item.block_table[p // block_size] for item, p in zip(items, positions, strict=True)]
-    slots = np.array(blocks, dtype=np.int64) * block_size + positions % block_size
+    slots = np.concatenate(
+        [slots_of(item.block_table, positions[i : i + 1], block_size) for i, item in enumerate(items)]
+    )
     count = len(items)
     return FlatBatch(
         input_ids=torch.tensor(tokens, dtype=torch.long),

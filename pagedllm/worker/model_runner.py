@@ -51,7 +51,7 @@ def build_batch(scheduled: list[ScheduledSeq], block_size: int) -> FlatBatch:
         ids.extend(item.input_ids)
         pos = np.arange(start, end, dtype=np.int64)
         positions.append(pos)
-        slots.append(np.asarray(item.block_table, dtype=np.int64)[pos // block_size] * block_size + pos % block_size)
+        slots.append(slots_of(item.block_table, pos, block_size))
         query_lens.append(item.num_new_tokens)
         seq_lens.append(end)
     query_start = np.concatenate(([0], np.cumsum(query_lens)))
@@ -94,6 +94,11 @@ def _prompt_rows(scheduled: list[ScheduledSeq], query_start: np.ndarray) -> Prom
     if not spans:
         return None
     return PromptRows(torch.tensor(index), torch.tensor(targets), spans)
+
+
+def slots_of(block_table: list[int], positions: np.ndarray, block_size: int) -> np.ndarray:
+    """The cache slots of a sequence's token positions, through its block table."""
+    return np.asarray(block_table, dtype=np.int64)[positions // block_size] * block_size + positions % block_size
 
 
 def pad_tables(tables: list[list[int]]) -> torch.Tensor:

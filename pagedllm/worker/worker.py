@@ -259,7 +259,9 @@ class Worker:
         seq, drafts = sample.seq, sample.draft_token_ids
         grammars = _grammar_states(seq.grammar, drafts)
         output = seq.output_token_ids
-        return [self._sampling_row(seq, output + drafts[:i], grammars[i]) for i in range(len(drafts) + 1)]
+        # Row 0's history is the output itself: no second copy of it on every step of every sequence.
+        histories = [output] + [output + drafts[:i] for i in range(1, len(drafts) + 1)]
+        return [self._sampling_row(seq, history, grammar) for history, grammar in zip(histories, grammars, strict=True)]
 
     def _sampling_row(self, seq: Sequence, output: list[int], grammar: xgr.GrammarMatcher | None) -> SamplingRow:
         params = seq.params
