@@ -2,33 +2,40 @@
 
 from __future__ import annotations
 
-from transformers import PreTrainedTokenizerBase
+from dataclasses import dataclass
 
-from pagedllm.sequence import Sequence
+from transformers import PreTrainedTokenizerBase
 
 # How many prompt tokens seed the window, so the first output token decodes with its left context
 # (a SentencePiece word piece decodes differently at the start of a string).
 _PROMPT_CONTEXT = 5
 
 
-def start_detokenizer(seq: Sequence) -> None:
-    seq.detok_read_offset = seq.num_prompt_tokens
-    seq.detok_prefix_offset = max(seq.num_prompt_tokens - _PROMPT_CONTEXT, 0)
+@dataclass(slots=True)
+class TextState:
+    """One sequence's text as the output processor builds it: the token ids it has seen (the prompt's last
+    few, then every output token), the decoding window over them, and how far stop strings were searched."""
+
+    token_ids: list[int]
+    prefix_offset: int
+    read_offset: int
+    text: str = ""
+    checked_text_len: int = 0
+
+    @classmethod
+    def start(cls, prompt_token_ids: list[int]) -> TextState:
+        context = prompt_token_ids[-_PROMPT_CONTEXT:]
+        return cls(list(context), 0, len(context))
 
 
-def next_text(
-    tokenizer: PreTrainedTokenizerBase, seq: Sequence, skip_special_tokens: bool, flush: bool, end: int
-) -> str:
-    """The text token `end - 1` adds (a step may have appended tokens after it). Empty while the window ends
-    inside a multi-byte character: the held-back bytes come out with a later token, or as they are with the
-    last one (`flush`)."""
-    ids = seq.token_ids
-    prefix = tokenizer.decode(
-        ids[seq.detok_prefix_offset : seq.detok_read_offset], skip_special_tokens=skip_special_tokens
-    )
-    full = tokenizer.decode(ids[seq.detok_prefix_offset : end], skip_special_tokens=skip_special_tokens)
+def next_text(tokenizer: PreTrainedTokenizerBase, state: TextState, skip_special_tokens: bool, flush: bool) -> str:
+    """The text the state's last token adds. Empty while the window ends inside a multi-byte character: the
+    held-back bytes come out with a later token, or as they are with the last one (`flush`)."""
+    ids = state.token_ids
+    prefix = tokenizer.decode(ids[state.prefix_offset : state.read_offset], skip_special_tokens=skip_special_tokens)
+    full = tokenizer.decode(ids[state.prefix_offset :], skip_special_tokens=skip_special_tokens)
     if len(full) <= len(prefix) or (full.endswith("\ufffd") and not flush):
         return ""
-    seq.detok_prefix_offset = seq.detok_read_offset
-    seq.detok_read_offset = end
+    state.prefix_offset = state.read_offset
+    state.read_offset = len(ids)
     return full[len(prefix) :]

@@ -1,5 +1,8 @@
 """The request lifecycle: add, step, abort. A step is one straight line: the scheduler says what to
-run, the worker runs it, the scheduler accounts for it, the output processor turns it into outputs.
+run, the worker runs it, the scheduler accounts for it; that is the engine core's step (`step_core`), whose
+output is each request's change (`RequestDelta`). The output processor turns the changes into outputs and
+decides the stop strings, which the core applies (`stop_sequences`); `step` does both, and the server does
+the second half in its own process.
 
 A fault in a step fails the requests it belongs to, and only those: they are aborted (their blocks go
 back) and reported in a `RequestsFailedError` that carries everyone else's outputs. Each error is a
@@ -22,14 +25,21 @@ from pagedllm.kv.events import KVEventFile, KVEventSink
 from pagedllm.kv.kv_cache_manager import KVCacheManager
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.loader import LoadedModel, load_model, reads_lean_folder, resolve_model_folder
-from pagedllm.output_processor import OutputProcessor, ProcessedStep
-from pagedllm.outputs import EngineStats, KVSnapshot, RequestOutput
+from pagedllm.output_processor import OutputProcessor, StringStop
+from pagedllm.outputs import (
+    EngineStats,
+    FinishedBeamOutput,
+    KVSnapshot,
+    RequestDelta,
+    RequestOutput,
+    SequenceDelta,
+)
 from pagedllm.request import SequenceGroup
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.scheduler import Scheduler
-from pagedllm.sequence import SequenceFactory, SequenceStatus
+from pagedllm.sequence import Sequence, SequenceFactory, SequenceStatus
 from pagedllm.speculative import SpeculativeConfig
-from pagedllm.step import ModelOutput, SchedulerOutput
+from pagedllm.step import ModelOutput, NewToken, SchedulerOutput, StepUpdate
 from pagedllm.structured_output import StructuredOutputCompiler
 from pagedllm.worker.cache_engine import KVShape
 from pagedllm.worker.draft import DraftModel
@@ -62,8 +72,18 @@ class EngineDeadError(RuntimeError):
     in step. The engine cannot continue; every request it holds is lost."""
 
 
+@dataclasses.dataclass(slots=True)
+class CoreStep:
+    """The engine core's step: each moved request's change, and the requests that failed (already aborted)."""
+
+    deltas: list[RequestDelta] = dataclasses.field(default_factory=list)
+    failed: dict[str, Exception] = dataclasses.field(default_factory=dict)
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, process_outputs: bool = True) -> None:
+        """`process_outputs=False` makes an engine core only: it steps with `step_core` and its caller processes
+        the deltas (the server's process does, holding its own `OutputProcessor`)."""
         started = time.perf_counter()
         self.config = config
         lean = reads_lean_folder(config.device, config.tensor_parallel_size, config.dequantize)
@@ -119,7 +139,7 @@ class LLMEngine:
             draft,
         )
         self._finalizer = weakref.finalize(self, self._group.stop, self.worker)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer) if process_outputs else None
         self.structured_outputs = StructuredOutputCompiler(self.tokenizer, self.vocab_size, eos_ids)
         self.requests: dict[str, SequenceGroup] = {}
         self._num_steps = 0
@@ -139,18 +159,10 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
 
     def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                return self.tokenize(prompt["prompt"])
-            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, str):
-            self.text_bound.check(prompt, self.max_model_len)
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return None, list(prompt)
-        raise ValueError(f"a prompt is a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        text = prompt.get("prompt") if isinstance(prompt, dict) and "prompt_token_ids" not in prompt else prompt
+        if isinstance(text, str):
+            self.text_bound.check(text, self.max_model_len)
+        return tokenize_prompt(self.tokenizer, prompt)
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None) -> None:
         """Validate and queue a request. A request that could never run is refused here, never left to hang.
@@ -214,7 +226,9 @@ class LLMEngine:
 
     def _queue(self, group: SequenceGroup) -> None:
         self.requests[group.request_id] = group
-        self.output_processor.add(group)
+        if self.output_processor is not None:
+            params = group.beam.params if group.beam is not None else group.seqs[0].params
+            self.output_processor.add(group.request_id, group.prompt, group.prompt_token_ids, params)
         self.scheduler.add(group)
 
     def _check_fits(self, token_ids: list[int], max_tokens: int | None, num_seqs: int) -> int:
@@ -246,6 +260,8 @@ class LLMEngine:
             seq.status = SequenceStatus.FINISHED_ABORTED
         group.pending_forks = 0
         self.scheduler.remove(group)
+        if self.output_processor is not None:
+            self.output_processor.abort(request_id)
         self._notify()
 
     def has_unfinished_requests(self) -> bool:
@@ -260,27 +276,56 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once on the flat batch, account for it, and report every request
         that moved. Raises `RequestsFailedError` when some requests failed (see the class)."""
-        timer = StepTimer(self._step_seconds)
-        scheduler_output = self.scheduler.schedule()
-        timer.lap("schedule")
-        if scheduler_output.is_empty:
-            if self.scheduler.has_unfinished():
-                self._fail_unrunnable(scheduler_output)
-            return []
-        ran, model_output, failed = self._execute(scheduler_output, timer)
-        update, grammar_failed = self.scheduler.update(ran, model_output)
-        failed |= {rid: StageError(GRAMMAR, error) for rid, error in grammar_failed.items()}
-        processed = self.output_processor.process(update)
-        failed |= {rid: StageError(DETOKENIZATION, error) for rid, error in processed.failed.items()}
-        self._retire(processed, failed)
-        timer.lap("update")
-        self._num_steps += 1
-        self._notify()
+        if self.output_processor is None:
+            raise RuntimeError("this engine core's outputs are processed by its caller: call step_core")
+        core = self.step_core()
+        processed = self.output_processor.process(core.deltas)
+        self.stop_sequences(processed.stops)
+        failed = core.failed | {rid: StageError(DETOKENIZATION, error) for rid, error in processed.failed.items()}
+        for request_id in processed.failed:
+            self.abort_request(request_id)
         if failed:
             raise RequestsFailedError(failed, processed.outputs)
         return processed.outputs
 
-    def _fail_unrunnable(self, scheduler_output: SchedulerOutput) -> None:
+    def step_core(self) -> CoreStep:
+        """The engine core's step: schedule, run the model once on the flat batch, account for it, and return
+        each moved request's change. Requests that failed are aborted and returned in `failed`."""
+        timer = StepTimer(self._step_seconds)
+        scheduler_output = self.scheduler.schedule()
+        timer.lap("schedule")
+        if scheduler_output.is_empty:
+            if not self.scheduler.has_unfinished():
+                return CoreStep()
+            return CoreStep(failed=self._fail_unrunnable(scheduler_output))
+        ran, model_output, failed = self._execute(scheduler_output, timer)
+        update, grammar_failed = self.scheduler.update(ran, model_output)
+        failed |= {rid: StageError(GRAMMAR, error) for rid, error in grammar_failed.items()}
+        deltas = _deltas(update)
+        for delta in deltas:
+            if delta.finished:
+                self.scheduler.remove(self.requests.pop(delta.request_id))
+        for request_id in failed:
+            self.abort_request(request_id)
+        timer.lap("update")
+        self._num_steps += 1
+        self._notify()
+        return CoreStep(deltas, failed)
+
+    def stop_sequences(self, stops: list[StringStop]) -> None:
+        """Finish the sequences the output processor stopped at a stop string (their blocks go back), and with
+        them any request that has nothing left to run. A request gone already (finished, aborted) is skipped."""
+        for stop in stops:
+            group = self.requests.get(stop.request_id)
+            if group is None:
+                continue
+            for seq in group.live_seqs():
+                if seq.index == stop.index:
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+            if group.finished:
+                self.scheduler.remove(self.requests.pop(stop.request_id))
+
+    def _fail_unrunnable(self, scheduler_output: SchedulerOutput) -> dict[str, Exception]:
         """A schedule that moved nothing while requests wait names the one that can never run: fail it,
         rather than let it, and everyone queued behind it, wait forever."""
         group = self.scheduler.unrunnable(scheduler_output)
@@ -291,7 +336,7 @@ class LLMEngine:
             f"tokens cannot run in the whole KV pool of {self.scheduler.kv.num_blocks} blocks"
         )
         self.abort_request(group.request_id)
-        raise RequestsFailedError({group.request_id: StageError(SCHEDULING, error)}, [])
+        return {group.request_id: StageError(SCHEDULING, error)}
 
     def _execute(
         self, scheduler_output: SchedulerOutput, timer: StepTimer
@@ -362,16 +407,6 @@ class LLMEngine:
         kv = self.scheduler.kv
         return DraftModel(model, shape, kv.num_blocks, kv.cpu_pool.num_blocks if kv.cpu_pool else 0, config.device)
 
-    def _retire(self, processed: ProcessedStep, failed: dict[str, Exception]) -> None:
-        """Free what stop strings finished, drop finished requests, abort the ones that failed."""
-        for seq in processed.stopped:
-            self.scheduler.finish(seq, seq.status)
-        for output in processed.outputs:
-            if output.finished:
-                self.scheduler.remove(self.requests.pop(output.request_id))
-        for request_id in failed:
-            self.abort_request(request_id)
-
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks' processes (also done when the engine is collected or the
         interpreter exits)."""
@@ -430,6 +465,63 @@ class TextBound:
             raise ValueError(
                 f"prompt has {len(text)} characters, at least {fewest} tokens; max_model_len is {max_model_len}"
             )
+
+
+def tokenize_prompt(tokenizer: PreTrainedTokenizerBase, prompt: PromptInput) -> tuple[str | None, list[int]]:
+    """A prompt's text (None when given as ids) and token ids."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return tokenize_prompt(tokenizer, prompt["prompt"])
+        raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+    if isinstance(prompt, str):
+        return prompt, tokenizer.encode(prompt)
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return None, list(prompt)
+    raise ValueError(f"a prompt is a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+
+def _deltas(update: StepUpdate) -> list[RequestDelta]:
+    """Each moved request's change in the step, leaving out those where nothing a caller sees changed (a
+    prompt chunk computed, a beam step)."""
+    deltas = {group.request_id: RequestDelta(group.request_id, finished=group.finished) for group in update.groups}
+    by_seq: dict[int, SequenceDelta] = {}
+    for new in update.new_tokens:
+        seq_delta = by_seq.get(new.seq.seq_id)
+        if seq_delta is None:
+            seq_delta = by_seq[new.seq.seq_id] = _sequence_delta(new.seq)
+            deltas[new.seq.request_id].seqs.append(seq_delta)
+        _add_token(seq_delta, new)
+    for seq, entries in update.prompt_logprobs:
+        deltas[seq.request_id].prompt_logprobs.extend(entries)
+    for group in update.groups:
+        if group.beam is not None and group.finished:
+            prompt_len = len(group.prompt_token_ids)
+            deltas[group.request_id].beams = [
+                FinishedBeamOutput(beam.token_ids[prompt_len:], beam.cumulative_logprob, beam.ended_with_eos)
+                for beam in group.beam.ranked()
+            ]
+    return [delta for delta in deltas.values() if delta.seqs or delta.prompt_logprobs or delta.finished]
+
+
+def _sequence_delta(seq: Sequence) -> SequenceDelta:
+    params = seq.params
+    keeps_cumulative = params.logprobs is not None or params.ranks_samples
+    return SequenceDelta(seq.index, [], [] if params.logprobs is not None else None, [] if keeps_cumulative else None)
+
+
+def _add_token(delta: SequenceDelta, new: NewToken) -> None:
+    delta.token_ids.append(new.seq.token_ids[new.num_tokens - 1])
+    if delta.logprobs is not None:
+        assert new.logprobs is not None
+        delta.logprobs.append(new.logprobs)
+    if delta.token_logprobs is not None:
+        delta.token_logprobs.append(new.logprob)
+    if new.stop is not None:
+        delta.finish_reason = new.stop.status.finish_reason
+        delta.stop_reason = new.stop.reason
+        delta.hide_last_token_text = new.stop.hide_last_token_text
 
 
 def _parts_by_request(out: SchedulerOutput) -> dict[str, SchedulerOutput]:

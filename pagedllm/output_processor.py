@@ -1,5 +1,9 @@
-"""From a step's new tokens to what callers see: detokenized text, stop strings, best_of selection
-and one `RequestOutput` per request that moved."""
+"""The frontend half of a step: from the engine core's `RequestDelta`s to what callers see. Detokenized text,
+stop strings (decided here and sent back to the core as `StringStop`s, which it applies as it applies its own
+stops), best_of selection, and one cumulative `RequestOutput` per request that moved.
+
+It runs beside the engine in one process (`LLMEngine.step`), or in the server's process while the engine core
+steps in a process of its own: the core then sends only what each step changed, and never detokenizes."""
 
 from __future__ import annotations
 
@@ -8,137 +12,228 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from pagedllm.detokenizer import next_text, start_detokenizer
-from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
-from pagedllm.request import SequenceGroup
-from pagedllm.sequence import Sequence, SequenceStatus
-from pagedllm.step import NewToken, StepUpdate
+from pagedllm.beam_search import BeamSearchParams
+from pagedllm.detokenizer import TextState, next_text
+from pagedllm.outputs import (
+    CompletionOutput,
+    FinishedBeamOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestDelta,
+    RequestOutput,
+    SampleLogprobs,
+    SequenceDelta,
+)
+from pagedllm.sampling_params import SamplingParams
 from pagedllm.stopping import string_stop
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class StringStop:
+    """A stop string ended sample `index` of the request: the core finishes that sequence and frees its blocks."""
+
+    request_id: str
+    index: int
+
+
+@dataclass(slots=True)
+class _Sample:
+    """One sample's output as the caller sees it."""
+
+    index: int
+    detok: TextState
+    num_context: int  # prompt tokens at the head of `detok.token_ids`
+    logprobs: SampleLogprobs | None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.detok.token_ids[self.num_context :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.detok.token_ids) - self.num_context
+
+
+@dataclass(slots=True)
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams | None  # None for beam search
+    num_samples: int  # how many samples it grows to (n, or best_of)
+    samples: dict[int, _Sample] = field(default_factory=dict)
+    prompt_logprobs: list[dict[int, Logprob]] | None = None
+    beams: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+
+    def sample(self, index: int) -> _Sample:
+        """The sample, started from the prompt when it is new (parallel samples fork at their first token)."""
+        sample = self.samples.get(index)
+        if sample is None:
+            assert self.params is not None
+            detok = TextState.start(self.prompt_token_ids)
+            logprobs = [] if self.params.logprobs is not None else None
+            sample = self.samples[index] = _Sample(index, detok, len(detok.token_ids), logprobs)
+        return sample
+
+
 @dataclass(slots=True)
 class ProcessedStep:
     outputs: list[RequestOutput] = field(default_factory=list)
-    stopped: list[Sequence] = field(default_factory=list)  # finished by a stop string: their blocks go back
-    failed: dict[str, Exception] = field(default_factory=dict)  # requests whose processing raised
+    stops: list[StringStop] = field(default_factory=list)  # for the core to apply
+    failed: dict[str, Exception] = field(default_factory=dict)  # requests whose processing raised; dropped here
 
 
 class OutputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
+        self.requests: dict[str, _Request] = {}
 
-    def add(self, group: SequenceGroup) -> None:
-        for seq in group.seqs:
-            start_detokenizer(seq)
+    def add(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams | BeamSearchParams,
+    ) -> None:
+        if isinstance(params, BeamSearchParams):
+            self.requests[request_id] = _Request(request_id, prompt, prompt_token_ids, None, params.beam_width)
+            return
+        request = _Request(request_id, prompt, prompt_token_ids, params, params.num_samples)
+        request.prompt_logprobs = [] if params.prompt_logprobs is not None else None
+        self.requests[request_id] = request
 
-    def process(self, update: StepUpdate) -> ProcessedStep:
-        """One request's failure (a detokenizer error, say) must not cost the rest of the batch its
-        output: it is recorded in `failed`, and the engine aborts that request alone."""
+    def abort(self, request_id: str) -> None:
+        """Forget the request (aborted, or failed in the core); later deltas for it are ignored."""
+        self.requests.pop(request_id, None)
+
+    def process(self, deltas: list[RequestDelta]) -> ProcessedStep:
+        """One request's failure (a detokenizer error, say) must not cost the rest of the batch its output: it
+        is recorded in `failed` and the request dropped; the caller aborts it in the core."""
         step = ProcessedStep()
-        for entry in update.prompt_logprobs:
-            self._decode(entry)
-        for new in update.new_tokens:
-            request_id = new.seq.request_id
-            if request_id in step.failed:
-                continue
-            if new.num_tokens > new.seq.num_tokens:
-                new.seq.cumulative_logprob -= new.logprob  # a stop string ended its sequence at an earlier token
-                continue
+        for delta in deltas:
+            request = self.requests.get(delta.request_id)
+            if request is None:
+                continue  # finished here by a stop string before the core heard, or aborted
             try:
-                self._text(new, step)
+                self._apply(request, delta, step)
             except Exception as error:
-                logger.exception("request %s failed while processing its token", request_id)
-                step.failed[request_id] = error
-        step.outputs = [self._output(group) for group in update.groups if group.request_id not in step.failed]
+                logger.exception("request %s failed while processing its tokens", delta.request_id)
+                step.failed[delta.request_id] = error
+                del self.requests[delta.request_id]
+                continue
+            step.outputs.append(self._output(request))
+            if request.finished:
+                del self.requests[delta.request_id]
         return step
 
-    def _text(self, new: NewToken, step: ProcessedStep) -> None:
-        seq, stop = new.seq, new.stop
-        if new.logprobs is not None:
-            self._decode(new.logprobs)
-        if stop is None or not stop.hide_last_token_text:
-            skip = seq.params.skip_special_tokens
-            seq.text += next_text(self.tokenizer, seq, skip, flush=stop is not None, end=new.num_tokens)
-        # A stop string outranks the length limit reached by the same token, not a stop token.
-        if stop is not None and stop.status is not SequenceStatus.FINISHED_LENGTH:
-            return
-        by_string = string_stop(seq, new.num_tokens - seq.num_prompt_tokens)
-        if by_string is None:
-            return
-        if stop is None and not seq.status.finished:
-            step.stopped.append(seq)
-        _drop_after(seq, new.num_tokens)
-        seq.status, seq.stop_reason = by_string.status, by_string.reason
+    def _apply(self, request: _Request, delta: RequestDelta, step: ProcessedStep) -> None:
+        if request.prompt_logprobs is not None:
+            for entry in delta.prompt_logprobs:
+                self._decode(entry)
+            request.prompt_logprobs.extend(delta.prompt_logprobs)
+        for seq in delta.seqs:
+            sample = request.sample(seq.index)
+            if sample.finish_reason is None:  # else a stop string ended it here and the core has not heard yet
+                self._take(request, sample, seq, step)
+        if delta.beams is not None:
+            request.beams = [self._beam_completion(index, beam) for index, beam in enumerate(delta.beams)]
+        done = sum(sample.finish_reason is not None for sample in request.samples.values())
+        request.finished = delta.finished or (request.params is not None and done == request.num_samples)
+
+    def _take(self, request: _Request, sample: _Sample, seq: SequenceDelta, step: ProcessedStep) -> None:
+        """Append the sequence's new tokens and their text until one of them stops it. A stop string found at a
+        token drops the tokens after it (speculation's accepted guesses), and the core is told."""
+        params = request.params
+        assert params is not None
+        last = len(seq.token_ids) - 1
+        for i, token_id in enumerate(seq.token_ids):
+            finish = seq.finish_reason if i == last else None
+            sample.detok.token_ids.append(token_id)
+            if sample.logprobs is not None:
+                assert seq.logprobs is not None
+                self._decode(seq.logprobs[i])
+                sample.logprobs.append(seq.logprobs[i])
+            if seq.token_logprobs is not None:
+                sample.cumulative_logprob += seq.token_logprobs[i]
+            if finish is None or not seq.hide_last_token_text:
+                sample.detok.text += next_text(
+                    self.tokenizer, sample.detok, params.skip_special_tokens, flush=finish is not None
+                )
+            # A stop string outranks the length limit reached by the same token, not a stop token.
+            if finish is not None and finish != "length":
+                sample.finish_reason, sample.stop_reason = finish, seq.stop_reason
+                return
+            by_string = string_stop(sample.detok, params, sample.num_output_tokens)
+            if by_string is not None:
+                sample.finish_reason, sample.stop_reason = "stop", by_string.reason
+                if finish is None:
+                    step.stops.append(StringStop(request.request_id, seq.index))
+                return
+            if finish is not None:
+                sample.finish_reason, sample.stop_reason = finish, seq.stop_reason
 
     def _decode(self, entry: dict[int, Logprob]) -> None:
         for token_id, logprob in entry.items():
             logprob.decoded_token = self.tokenizer.decode([token_id])
 
-    def _output(self, group: SequenceGroup) -> RequestOutput:
-        if group.beam is not None:
-            completions = self._beam_completions(group) if group.finished else []
-        else:
-            completions = [_completion(seq) for seq in _returned(group)]
-        return RequestOutput(
-            group.request_id, group.prompt, group.prompt_token_ids, completions, group.finished, _prompt_logprobs(group)
+    def _beam_completion(self, index: int, beam: FinishedBeamOutput) -> CompletionOutput:
+        return CompletionOutput(
+            index=index,
+            text=self.tokenizer.decode(beam.token_ids, skip_special_tokens=True),
+            token_ids=beam.token_ids,
+            cumulative_logprob=beam.cumulative_logprob,
+            logprobs=None,
+            finish_reason="stop" if beam.ended_with_eos else "length",
         )
 
-    def _beam_completions(self, group: SequenceGroup) -> list[CompletionOutput]:
-        assert group.beam is not None
-        prompt_len = len(group.prompt_token_ids)
-        return [
-            CompletionOutput(
-                index=index,
-                text=self.tokenizer.decode(beam.token_ids[prompt_len:], skip_special_tokens=True),
-                token_ids=beam.token_ids[prompt_len:],
-                cumulative_logprob=beam.cumulative_logprob,
-                logprobs=None,
-                finish_reason="stop" if beam.ended_with_eos else "length",
-            )
-            for index, beam in enumerate(group.beam.ranked())
-        ]
+    def _output(self, request: _Request) -> RequestOutput:
+        completions = request.beams if request.params is None else [_completion(request, s) for s in _returned(request)]
+        return RequestOutput(
+            request.request_id,
+            request.prompt,
+            request.prompt_token_ids,
+            completions,
+            request.finished,
+            _prompt_logprobs(request),
+        )
 
 
-def _drop_after(seq: Sequence, num_tokens: int) -> None:
-    """Forget the tokens a step appended after the one a stop string ended at (speculation's accepted guesses
-    and the pick after them); their log-probabilities leave the cumulative one as `process` skips them."""
-    del seq.token_ids[num_tokens:]
-    if seq.logprobs is not None:
-        del seq.logprobs[num_tokens - seq.num_prompt_tokens :]
-
-
-def _prompt_logprobs(group: SequenceGroup) -> PromptLogprobs | None:
-    """Once the prompt is scored: None for its first token (nothing predicts it), then each token's entry.
-    Beam search scores no prompt (its parameters have no prompt_logprobs), and once every beam has ended
-    at EOS its group holds no sequence at all."""
-    if group.beam is not None:
+def _prompt_logprobs(request: _Request) -> PromptLogprobs | None:
+    """Once the prompt is scored: None for its first token (nothing predicts it), then each token's entry."""
+    entries = request.prompt_logprobs
+    if entries is None or len(entries) < len(request.prompt_token_ids) - 1:
         return None
-    first = group.seqs[0]
-    if first.prompt_logprobs is None or first.num_prompt_logprobs_missing:
-        return None
-    return [None, *first.prompt_logprobs]
+    return [None, *entries]
 
 
-def _returned(group: SequenceGroup) -> list[Sequence]:
+def _returned(request: _Request) -> list[_Sample]:
     """All samples, or with best_of the n best by cumulative logprob once the request is done."""
-    params = group.seqs[0].params
-    if not params.ranks_samples:
-        return group.seqs
-    if not group.finished:
+    assert request.params is not None
+    samples = [request.samples[index] for index in sorted(request.samples)]
+    if not request.params.ranks_samples:
+        return samples
+    if not request.finished:
         return []
-    best = sorted(group.seqs, key=lambda seq: seq.cumulative_logprob, reverse=True)[: params.n]
-    return sorted(best, key=lambda seq: seq.index)
+    best = sorted(samples, key=lambda sample: sample.cumulative_logprob, reverse=True)[: request.params.n]
+    return sorted(best, key=lambda sample: sample.index)
 
 
-def _completion(seq: Sequence) -> CompletionOutput:
+def _completion(request: _Request, sample: _Sample) -> CompletionOutput:
+    assert request.params is not None
+    keeps_cumulative = sample.logprobs is not None or request.params.ranks_samples
     return CompletionOutput(
-        index=seq.index,
-        text=seq.text,
-        token_ids=seq.output_token_ids,
-        cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None or seq.params.ranks_samples else None,
-        logprobs=seq.logprobs,
-        finish_reason=seq.status.finish_reason,
-        stop_reason=seq.stop_reason,
+        index=sample.index,
+        text=sample.detok.text,
+        token_ids=sample.output_token_ids,
+        cumulative_logprob=sample.cumulative_logprob if keeps_cumulative else None,
+        # A copy: the sample's list grows with later steps, and a caller may hold this output while it does.
+        logprobs=None if sample.logprobs is None else list(sample.logprobs),
+        finish_reason=sample.finish_reason,
+        stop_reason=sample.stop_reason,
     )

@@ -47,6 +47,42 @@ class RequestOutput:
 
 
 @dataclass(slots=True)
+class SequenceDelta:
+    """What one sequence gained in a step, as the engine core sends it: its new token ids (several with
+    speculation), their log-probabilities where the request needs them, and the core's own stop (EOS, stop
+    token, length, grammar) on the last of them. Text and stop strings are the output processor's."""
+
+    index: int  # which of the request's samples
+    token_ids: list[int]
+    logprobs: SampleLogprobs | None = None  # one entry per new token, when params.logprobs is set
+    token_logprobs: list[float] | None = None  # each new token's own, when the request keeps a cumulative one
+    finish_reason: str | None = None  # "stop", "length" or "abort" when the core finished the sequence
+    stop_reason: int | str | None = None
+    hide_last_token_text: bool = False  # the finishing token adds no text (EOS, a hidden stop token)
+
+
+@dataclass(slots=True)
+class FinishedBeamOutput:
+    """One of a finished beam search's ranked beams: output token ids only."""
+
+    token_ids: list[int]
+    cumulative_logprob: float
+    ended_with_eos: bool
+
+
+@dataclass(slots=True)
+class RequestDelta:
+    """One request's change in a step: the engine core's output, whose size depends on what the step
+    produced, never on how long the sequences are."""
+
+    request_id: str
+    seqs: list[SequenceDelta] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # prompt entries scored this step
+    finished: bool = False  # the core holds nothing of the request any more
+    beams: list[FinishedBeamOutput] | None = None  # a beam search's result, once finished
+
+
+@dataclass(slots=True)
 class EngineStats:
     kv_blocks_total: int
     kv_blocks_used: int

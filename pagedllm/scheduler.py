@@ -279,7 +279,7 @@ class Scheduler:
         update = StepUpdate(groups=[self.groups[request_id] for request_id in touched])
         for seq, entries in model_output.prompt_logprobs:
             seq.prompt_logprobs.extend(entries)
-            update.prompt_logprobs.extend(entries)
+            update.prompt_logprobs.append((seq, entries))
         # Forks first: each child must start from its parent's blocks before anyone appends or finishes.
         for sample in out.samples:
             if sample.forked_from is not None:
@@ -345,14 +345,10 @@ class Scheduler:
         logprob = 0.0
         if row.logprobs is not None:
             logprob = row.logprobs[row.token_id].logprob
-            if seq.logprobs is not None:
-                seq.logprobs.append(row.logprobs)
         elif row.logprob is not None:
             logprob = row.logprob
-        seq.cumulative_logprob += logprob
         stop = grammar or token_stop(seq, row.token_id, self.eos_ids) or length_stop(seq, self.max_model_len)
         if stop is not None:
-            seq.stop_reason = stop.reason
             self.finish(seq, stop.status)
         return NewToken(seq, row.logprobs, stop, seq.num_tokens, logprob)
 

@@ -54,13 +54,7 @@ class Sequence:
     seed: int | None  # of the sampler's draws (None: greedy); a draw depends on it and the token's index only
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
-    cumulative_logprob: float = 0.0
-    logprobs: SampleLogprobs | None = None
-    text: str = ""
-    stop_reason: int | str | None = None
-    detok_prefix_offset: int = 0
-    detok_read_offset: int = 0
-    checked_text_len: int = 0
+    cumulative_logprob: float = 0.0  # a beam's score; samples' own are kept by the output processor
     cache_salt: str | None = None  # an extra key of the first block's hash: different salts never share
     # Entry i is prompt token i + 1's; filled as prompt chunks are computed (only with params.prompt_logprobs).
     prompt_logprobs: SampleLogprobs | None = None
@@ -99,7 +93,6 @@ class Sequence:
         child = copy.copy(self)
         child.seq_id, child.index, child.seed = seq_id, index, seed
         child.token_ids = list(self.token_ids)
-        child.logprobs = [dict(entry) for entry in self.logprobs] if self.logprobs is not None else None
         child.prompt_logprobs = None  # the prompt's log-probabilities belong to the sequence that ran it
         child.grammar = self.grammar.fork() if self.grammar is not None else None
         return child
@@ -124,7 +117,6 @@ class SequenceFactory:
             params=params,
             max_tokens=max_tokens,
             seed=self._seed(params, 0),
-            logprobs=[] if params.logprobs is not None else None,
             prompt_logprobs=[] if params.prompt_logprobs is not None else None,
         )
 

@@ -101,17 +101,18 @@ class ModelOutput:
 class NewToken:
     seq: Sequence
     logprobs: dict[int, Logprob] | None
-    stop: StopDecision | None  # a stop decided by the token or the length; stop strings come later
-    # The sequence's length with this token: a step may append several tokens to one sequence (speculation),
-    # and a stop string found at this one drops the ones after it.
+    stop: StopDecision | None  # a stop decided by the token or the length; stop strings are the output processor's
+    # The sequence's length with this token (a step may append several tokens to one sequence: speculation).
     num_tokens: int
-    logprob: float = 0.0  # what this token added to the sequence's cumulative log-probability
+    logprob: float = 0.0  # the token's raw log-probability, for the output's cumulative one
 
 
 @dataclass(slots=True)
 class StepUpdate:
-    """What a step changed, for the output processor: tokens appended, and the requests that moved."""
+    """What a step changed, from which the engine makes each request's `RequestDelta`: tokens appended, and
+    the requests that moved."""
 
     new_tokens: list[NewToken] = field(default_factory=list)
     groups: list[SequenceGroup] = field(default_factory=list)
-    prompt_logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # entries new this step, to decode
+    # Prompt log-probability entries scored this step, per sequence that asked for them.
+    prompt_logprobs: list[tuple[Sequence, list[dict[int, Logprob]]]] = field(default_factory=list)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedllm.detokenizer import TextState
+from pagedllm.sampling_params import SamplingParams
 from pagedllm.sequence import Sequence, SequenceStatus
 
 
@@ -39,21 +41,20 @@ def grammar_stop(seq: Sequence, token: int) -> StopDecision | None:
     return None
 
 
-def string_stop(seq: Sequence, num_output_tokens: int) -> StopDecision | None:
+def string_stop(state: TextState, params: SamplingParams, num_output_tokens: int) -> StopDecision | None:
     """Look for a stop string in the text not yet searched (plus an overlap for strings cut across
     tokens) and truncate the text at it; the text is that of the first `num_output_tokens` output tokens."""
-    params = seq.params
     if not params.stop or num_output_tokens < params.min_tokens:
         return None
     longest = max(len(s) for s in params.stop)
-    search_from = max(seq.checked_text_len - longest + 1, 0)
-    hits = [(seq.text.find(s, search_from), s) for s in params.stop]
+    search_from = max(state.checked_text_len - longest + 1, 0)
+    hits = [(state.text.find(s, search_from), s) for s in params.stop]
     hits = [(at, s) for at, s in hits if at >= 0]
-    seq.checked_text_len = len(seq.text)
+    state.checked_text_len = len(state.text)
     if not hits:
         return None
     at, stop = min(hits)
-    seq.text = seq.text[: at + len(stop)] if params.include_stop_str_in_output else seq.text[:at]
+    state.text = state.text[: at + len(stop)] if params.include_stop_str_in_output else state.text[:at]
     return StopDecision(SequenceStatus.FINISHED_STOPPED, stop)
 
 

@@ -1,8 +1,8 @@
-"""`python tests/fault_server.py MARKER <pagedllm serve arguments>`: `pagedllm serve` whose engine decodes
-through a tokenizer that raises on text containing MARKER, as a detokenizer bug would for one request's
-tokens. It lets tests show that a failure inside `LLMEngine.step` fails only the request it belongs to.
+"""`python tests/fault_server.py MARKER <pagedllm serve arguments>`: `pagedllm serve` whose output processor
+decodes through a tokenizer that raises on text containing MARKER, as a detokenizer bug would for one request's
+tokens. It lets tests show that a failure processing one request's tokens fails only that request.
 
-The engine runs in the server's engine-core process, forked from this one: it inherits the patched class."""
+The output processor runs in the server's process (the engine core sends it token ids)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 from functools import wraps
 
 from pagedllm.cli import main
-from pagedllm.entrypoints.llm import LLM
+from pagedllm.output_processor import OutputProcessor
 
 
 class FaultyTokenizer:
@@ -29,17 +29,14 @@ class FaultyTokenizer:
 
 
 def inject_faults(marker: str) -> None:
-    """Every LLM built from now on detokenizes through a FaultyTokenizer."""
-    build = LLM.__init__
+    """Every output processor built from now on detokenizes through a FaultyTokenizer."""
+    build = OutputProcessor.__init__
 
     @wraps(build)
-    def build_faulty(llm: LLM, *args: object, **kwargs: object) -> None:
-        build(llm, *args, **kwargs)
-        # The tokenizer that detokenizes: the output processor's where the engine has one, else the engine's.
-        target = getattr(llm.engine, "output_processor", llm.engine)
-        target.tokenizer = FaultyTokenizer(target.tokenizer, marker)
+    def build_faulty(processor: OutputProcessor, tokenizer: object) -> None:
+        build(processor, FaultyTokenizer(tokenizer, marker))
 
-    LLM.__init__ = build_faulty
+    OutputProcessor.__init__ = build_faulty
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,9 +16,11 @@ from pagedllm.benchmarks.near_tie import NEAR_TIE
 from pagedllm.benchmarks.throughput import (
     BenchSetup,
     EngineResult,
+    UnsupportedWorkload,
     check_samples,
     measure,
     run_engines,
+    run_openvino,
     run_vllm,
 )
 from pagedllm.benchmarks.workloads import SHARED_PREFIX_LEN, WORKLOADS, make_workload
@@ -31,7 +34,7 @@ def tiny_long_llama(tmp_path_factory) -> Path:
     return save_tiny_llama(tmp_path_factory.mktemp("tiny_long"), max_position_embeddings=1024)
 
 
-def setup_for(folder: Path, vllm_python: str | None = None) -> BenchSetup:
+def setup_for(folder: Path, vllm_python: str | None = None, openvino_python: str | None = None) -> BenchSetup:
     return BenchSetup(
         folder=folder,
         dtype=torch.float32,
@@ -41,6 +44,7 @@ def setup_for(folder: Path, vllm_python: str | None = None) -> BenchSetup:
         max_model_len=1024,
         hf_batch_size=2,
         vllm_python=vllm_python,
+        openvino_python=openvino_python,
     )
 
 
@@ -165,6 +169,11 @@ def test_unknown_engines_and_a_missing_vllm_interpreter_are_refused(tiny_long_ll
     assert "tgi" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--vllm-python"):
         run_vllm(setup_for(tiny_long_llama), make_workload("synthetic", 1, 384, 1024))
+    with pytest.raises(ValueError, match="--openvino-python"):
+        run_openvino(setup_for(tiny_long_llama), make_workload("synthetic", 1, 384, 1024))
+    with pytest.raises(UnsupportedWorkload, match="greedy"):
+        sampled = make_workload("parallel-n4", 1, 384, 1024)
+        run_openvino(setup_for(tiny_long_llama, openvino_python=sys.executable), sampled)
 
 
 @pytest.mark.slow
@@ -177,6 +186,26 @@ def test_vllm_runs_the_workload_in_its_own_interpreter(tmp_path):
     workload = make_workload("synthetic", 2, 384, 1024)
     result = run_vllm(setup_for(folder, python), workload)
     assert result.engine == "vllm" and result.output_tok_per_s > 0 and result.load_seconds > 0
+
+
+@pytest.mark.slow
+def test_openvino_runs_the_workload_in_its_own_interpreter(tmp_path, monkeypatch):
+    """Run by scripts/test_slow.sh, which installs OpenVINO GenAI into .venv-openvino first. The export is
+    cached: a second run reads it again instead of exporting."""
+    python = os.environ.get("PAGEDLLM_OPENVINO_PYTHON", ".venv-openvino/bin/python")
+    assert Path(python).is_file(), f"no OpenVINO interpreter at {python}: run scripts/install_openvino.sh"
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    folder = save_tiny_llama(tmp_path / "model", hidden_size=128, num_attention_heads=2, max_position_embeddings=1024)
+    workload = make_workload("synthetic", 2, 384, 1024)
+    setup = setup_for(folder, openvino_python=python)
+    result = run_openvino(setup, workload)
+    assert result.engine == "openvino" and result.output_tok_per_s > 0
+    exported = list((tmp_path / "cache" / "openvino").iterdir())
+    assert len(exported) == 1 and (exported[0] / "openvino_model.xml").is_file()
+    check_samples(setup, workload, [result])  # float32: the same greedy tokens as transformers, near-ties aside
+    mtime = exported[0].stat().st_mtime_ns
+    run_openvino(setup, workload)
+    assert exported[0].stat().st_mtime_ns == mtime
 
 
 def test_the_quantized_default_in_bf16_is_checked_against_float32(tmp_path, capsys) -> None:

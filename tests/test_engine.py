@@ -222,3 +222,28 @@ def test_engine_options_are_validated_with_the_field_named():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA device"):
             EngineConfig(device="cuda")
+
+
+def test_a_decode_steps_message_from_the_core_does_not_grow_with_the_context(tmp_path):
+    """The engine core sends each step's change only: a decode step of a sequence of 4096 tokens costs the
+    pipe what one of 256 tokens does (a whole output would carry every prompt id and all the text)."""
+    import pickle
+
+    from pagedllm.entrypoints.openai.engine_core import StepDeltas
+    from tests.conftest import save_tiny_llama
+
+    folder = save_tiny_llama(tmp_path / "long", max_position_embeddings=4200)
+    engine = LLMEngine(EngineConfig(model=folder, dtype="float32", max_model_len=4200), process_outputs=False)
+    sizes = []
+    for length in (256, 4096):
+        [prompt] = prompts_of([length], seed=length)
+        engine.add_request(f"{length:04d}", prompt, greedy(6, logprobs=2))
+        steps = []
+        while engine.has_unfinished_requests():
+            step = engine.step_core()
+            steps.append(len(pickle.dumps(StepDeltas(step.deltas, {}, 0.0))))
+        sizes.append(steps[-2])  # a decode step (the last also says the request finished)
+        assert engine.scheduler.kv.pool.num_free == engine.scheduler.kv.num_blocks
+    assert abs(sizes[0] - sizes[1]) <= 16, sizes
+    with pytest.raises(RuntimeError, match="step_core"):
+        engine.step()

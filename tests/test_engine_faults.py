@@ -282,13 +282,16 @@ def test_a_detokenization_fault_fails_only_its_request(engine, monkeypatch):
     expected = run_alone(engine, HEALTHY)
     next_text = pagedllm.output_processor.next_text
 
-    def faulty_next_text(tokenizer, seq, *args, **kwargs):
-        if seq.request_id == "bad" and seq.num_output_tokens > 2:
+    bad_prompt = prompt(11, 5)
+
+    def faulty_next_text(tokenizer, state, *args, **kwargs):
+        # The "bad" request's text state starts from its prompt's last tokens; fail after its third token.
+        if state.token_ids[: len(state.token_ids) - 3] == bad_prompt[-5:]:
             raise RuntimeError("injected detokenizer fault")
-        return next_text(tokenizer, seq, *args, **kwargs)
+        return next_text(tokenizer, state, *args, **kwargs)
 
     monkeypatch.setattr(pagedllm.output_processor, "next_text", faulty_next_text)
-    run = Run(engine).add({**HEALTHY, "bad": (prompt(11, 5), greedy())}).finish()
+    run = Run(engine).add({**HEALTHY, "bad": (bad_prompt, greedy())}).finish()
     assert run.outputs == expected and run.errors.keys() == {"bad"}
     assert_failed_at(run.errors["bad"], DETOKENIZATION, "injected detokenizer fault")
     monkeypatch.undo()

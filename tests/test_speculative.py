@@ -353,3 +353,39 @@ def test_a_draft_with_another_vocabulary_is_refused(tiny_llama, tmp_path):
         LLM(model=tiny_llama, speculative_config=draft(other))
     with pytest.raises(ValueError, match="draft model runs on one rank"):
         LLM(model=tiny_llama, speculative_config=draft(tiny_llama), tensor_parallel_size=2)
+
+
+def test_sampled_sequences_follow_the_targets_own_probabilities(tiny_llama):
+    """Chi-square of (t1, t2, t3) drawn at temperature 1 with top-k 3 against the target's probabilities from
+    transformers; the draft is the target, so the third token often comes from a guessed row and sometimes not."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt, top_k, draws = grounded_prompts(1, seed=12)[0], 3, 3000
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, torch_dtype=torch.float32)
+    expected: dict[tuple[int, ...], float] = {(): 1.0}
+    for _ in range(3):
+        grown = {}
+        for prefix, mass in expected.items():
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + list(prefix)])).logits[0, -1]
+            top = logits.topk(top_k)
+            for token, p in zip(top.indices.tolist(), top.values.softmax(-1).tolist(), strict=True):
+                grown[prefix + (token,)] = mass * p
+        expected = grown
+    params = [SamplingParams(temperature=1.0, top_k=top_k, seed=i, max_tokens=3, ignore_eos=True) for i in range(draws)]
+    spec = draft(tiny_llama) | {"num_speculative_tokens": 2, "disable_by_batch_size": draws + 1}
+    completions, engine = run(tiny_llama, [prompt] * draws, params, spec)
+    counts: dict[tuple[int, ...], int] = {}
+    for request in completions:
+        counts[tuple(request[0].token_ids)] = counts.get(tuple(request[0].token_ids), 0) + 1
+    assert set(counts) <= set(expected), "a sequence outside the top-k support"
+    # Pool the cells expected fewer than 5 times, as the test's approximation needs.
+    big = [cell for cell, p in expected.items() if p * draws >= 5]
+    pooled_p = 1.0 - sum(expected[cell] for cell in big)
+    pooled_n = draws - sum(counts.get(cell, 0) for cell in big)
+    cells = [(counts.get(cell, 0), expected[cell] * draws) for cell in big] + [(pooled_n, pooled_p * draws)]
+    chi2 = sum((seen - want) ** 2 / want for seen, want in cells if want > 0)
+    assert chi2 < 3 * (len(cells) - 1) + 30, (chi2, cells)
+    stats = engine.stats()
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens

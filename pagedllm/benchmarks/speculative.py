@@ -5,6 +5,10 @@ a step's rounding depends on how many rows it has (some kernels change with the 
 go the other way, and the table says how many answers were identical.
 
     pagedllm bench speculative [--model M] [--dtype D] [--speculative-config JSON] [--rounds 2]
+                               [--vllm-python .venv-vllm/bin/python]
+
+With `--vllm-python`, vLLM (in its own interpreter, `vllm_speculative_runner.py`) times the same prompt tokens
+without and with its own n-gram speculation under the same settings, after pagedllm's rounds.
 """
 
 from __future__ import annotations
@@ -12,16 +16,22 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import tempfile
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
+from pagedllm.benchmarks.throughput import vllm_env
 from pagedllm.config import DTypes, EngineConfig, add_option_flag
 from pagedllm.domains import POSITIVE_INTS, ExistingPaths
 from pagedllm.entrypoints.llm import LLM, Message
+from pagedllm.models.loader import resolve_model_folder
 from pagedllm.sampling_params import SamplingParams
 
+VLLM_RUNNER = Path(__file__).with_name("vllm_speculative_runner.py")
 DEFAULT_SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
 _PARAGRAPH = (
@@ -95,6 +105,12 @@ def add_bench_speculative_args(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(speculative_config=DEFAULT_SPECULATIVE)
     parser.add_argument("--max-tokens", default=96, **POSITIVE_INTS.flag_kwargs())
     parser.add_argument("--rounds", default=2, help="each side this many times, in turn", **POSITIVE_INTS.flag_kwargs())
+    parser.add_argument(
+        "--vllm-python",
+        default=None,
+        help="also time vLLM's n-gram speculation on the same prompts (the python of a vLLM venv)",
+        **ExistingPaths().flag_kwargs(),
+    )
 
 
 def run_bench_speculative(args: argparse.Namespace) -> int:
@@ -120,4 +136,57 @@ def run_bench_speculative(args: argparse.Namespace) -> int:
             f"{on.acceptance_rate:>11.2f} {on.mean_accepted_length:>14.2f} {same:>6}/{len(TASKS)}"
         )
         print(json.dumps({"round": round_ + 1, "off": asdict(off), "on": asdict(on), "identical_outputs": same}))
+    if args.vllm_python is not None:
+        time_vllm(args, engines["off"], off_tokens)
     return 0
+
+
+def time_vllm(args: argparse.Namespace, llm: LLM, pagedllm_tokens: list[list[int]]) -> None:
+    """vLLM without, then with, its n-gram speculation (one process each), on the prompts' token ids."""
+    settings = args.speculative_config
+    if settings.get("method", "ngram") != "ngram" or "model" in settings:
+        raise ValueError("--vllm-python compares n-gram speculation only")
+    prompts = [llm.render_chat([{"role": "user", "content": task}])["prompt_token_ids"] for task in TASKS]
+    dtype = llm.engine.config.torch_dtype
+    job = {
+        "model": str(resolve_model_folder(args.model)),
+        "dtype": str(dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "max_model_len": 2048,
+        "prompts": prompts,
+        "max_tokens": args.max_tokens,
+        "rounds": args.rounds,
+    }
+    sides = {}
+    for side, config in (("off", None), ("on", {"method": "ngram", **settings})):
+        sides[side] = _run_vllm(args.vllm_python, job | {"speculative_config": config})
+    for round_, (off, on) in enumerate(zip(sides["off"]["rounds"], sides["on"]["rounds"], strict=True)):
+        same = sum(a == b for a, b in zip(on["outputs"], off["outputs"], strict=True))
+        as_pagedllm = sum(a == b for a, b in zip(off["outputs"], pagedllm_tokens, strict=True))
+        print(
+            f"vLLM round {round_ + 1}: TPOT off {off['tpot_ms']:.2f} ms, on {on['tpot_ms']:.2f} ms "
+            f"({off['tpot_ms'] / on['tpot_ms']:.2f}x), identical with/without {same}/{len(TASKS)}, "
+            f"equal to pagedllm's {as_pagedllm}/{len(TASKS)}"
+        )
+    print(
+        json.dumps(
+            {
+                "vllm": {
+                    side: {"tpot_ms": [r["tpot_ms"] for r in result["rounds"]], "metrics": result["metrics"]}
+                    for side, result in sides.items()
+                }
+            }
+        )
+    )
+
+
+def _run_vllm(python: str, job: dict) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
+        job_path.write_text(json.dumps(job))
+        subprocess.run(
+            [python, str(VLLM_RUNNER), str(job_path), str(result_path)],
+            check=True,
+            env=vllm_env(job["threads"]),
+        )
+        return json.loads(result_path.read_text())

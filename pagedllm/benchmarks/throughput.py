@@ -12,7 +12,11 @@ row. Engines:
 - hf-static: `transformers` `generate` in static batches (left padding; each batch runs to its
   longest output), the baseline of the vLLM paper;
 - hf-cb: `transformers`' continuous batching on its paged cache (`init_continuous_batching`);
-- vllm: vLLM in its own interpreter (`--vllm-python`), driven by `vllm_runner.py`.
+- vllm: vLLM in its own interpreter (`--vllm-python`), driven by `vllm_runner.py`;
+- openvino: OpenVINO GenAI's `ContinuousBatchingPipeline` in its own interpreter (`--openvino-python`, a venv
+  made by `scripts/install_openvino.sh`), driven by `openvino_runner.py`, on the folder exported once with
+  `optimum-cli export openvino --weight-format fp16` (cached under pagedllm's cache); bf16 compute where the
+  CPU has it (f32 with `--dtype float32`). Greedy single-sample workloads only.
 
 Load time is measured from nothing to an engine ready to take requests; throughput from the first
 request to the last token. Counting tokens is not enough: on greedy workloads each engine's outputs for
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import os
 import subprocess
@@ -61,10 +66,12 @@ from pagedllm.entrypoints.llm import LLM
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.default import default_model_file
 from pagedllm.models.loader import reads_lean_folder, resolve_model_folder
+from pagedllm.native import cache_root, cached_folder
 from pagedllm.sampling_params import SamplingParams
 
-ENGINES = ("pagedllm", "hf-static", "hf-cb", "vllm")
+ENGINES = ("pagedllm", "hf-static", "hf-cb", "vllm", "openvino")
 VLLM_RUNNER = Path(__file__).with_name("vllm_runner.py")
+OPENVINO_RUNNER = Path(__file__).with_name("openvino_runner.py")
 MAX_MODEL_LEN = 4096  # the default --max-model-len, which also bounds the workloads' lengths
 
 
@@ -78,6 +85,7 @@ class BenchSetup:
     max_model_len: int
     hf_batch_size: int = 16
     vllm_python: str | None = None
+    openvino_python: str | None = None
     check: int = 4  # requests whose outputs are compared with the reference (greedy workloads)
     model: str | Path | None = None  # what pagedllm reads, as named (a GGUF file runs quantized); None: `folder`
     dequantize: bool = False
@@ -315,7 +323,58 @@ def vllm_env(threads: int) -> dict[str, str]:
     return env
 
 
-RUNNERS = {"pagedllm": run_pagedllm, "hf-static": run_hf_static, "hf-cb": run_hf_cb, "vllm": run_vllm}
+def run_openvino(setup: BenchSetup, workload: Workload) -> EngineResult:
+    if setup.openvino_python is None:
+        raise ValueError("--engines openvino needs --openvino-python (scripts/install_openvino.sh's python)")
+    if workload.temperature > 0 or workload.n > 1 or workload.beam_width > 1:
+        raise UnsupportedWorkload("measured on greedy single-sample workloads only")
+    job = {
+        "model": str(openvino_export(setup.folder, Path(setup.openvino_python))),
+        "precision": "f32" if setup.dtype == torch.float32 else "bf16",
+        "threads": setup.threads,
+        "kv_cache_gb": 4,
+        "max_num_seqs": 256,
+        "max_num_batched_tokens": DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        "enable_prefix_caching": workload.name == "shared-prefix",
+        "requests": [[list(r.prompt), r.output_len] for r in workload.requests],
+        "n": workload.n,
+        "temperature": workload.temperature,
+        "beam_width": workload.beam_width,
+        "check": setup.check,
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
+        job_path.write_text(json.dumps(job))
+        subprocess.run([setup.openvino_python, str(OPENVINO_RUNNER), str(job_path), str(result_path)], check=True)
+        answer = json.loads(result_path.read_text())
+    return measure(
+        "openvino", answer["load_seconds"], answer["seconds"], answer["generated_tokens"], workload, answer["sample"]
+    )
+
+
+def openvino_export(folder: Path, python: Path) -> Path:
+    """The model folder as OpenVINO IR with fp16 weights, exported once by the venv's `optimum-cli` and kept in
+    pagedllm's cache (keyed by the folder and its weights' sizes and times)."""
+    weights = sorted(folder.glob("*.safetensors"))
+    stamp = [str(folder.resolve())] + [f"{w.name}:{w.stat().st_size}:{w.stat().st_mtime_ns}" for w in weights]
+    key = hashlib.sha256("\n".join(stamp).encode()).hexdigest()[:16]
+
+    def export(staging: Path) -> dict:
+        cli = python.parent / "optimum-cli"
+        task = ["--task", "text-generation-with-past", "--weight-format", "fp16"]
+        subprocess.run([str(cli), "export", "openvino", "--model", str(folder), *task, str(staging)], check=True)
+        return {"source": str(folder), "weight_format": "fp16"}
+
+    return cached_folder(cache_root() / "openvino", key, export)
+
+
+RUNNERS = {
+    "pagedllm": run_pagedllm,
+    "hf-static": run_hf_static,
+    "hf-cb": run_hf_cb,
+    "vllm": run_vllm,
+    "openvino": run_openvino,
+}
 
 
 def run_engines(setup: BenchSetup, workload: Workload, engines: list[str]) -> list[EngineResult | str]:
@@ -342,7 +401,8 @@ def check_samples(setup: BenchSetup, workload: Workload, results: list[EngineRes
     holds in that precision (which rounds the weights): it is compared with the float32 model, whose weights
     are its own, where every divergence must be a near-tie but none need be equal: on so few sequences a bf16
     model parts at a near-tie about as often as not (transformers bf16 itself: 7 of 12 equal on the default
-    model), and `bench accuracy` is what measures how near this path is to float32."""
+    model), and `bench accuracy` is what measures how near this path is to float32. OpenVINO's fp16 export
+    computed in bf16 is judged the same way."""
     if workload.temperature > 0 or workload.beam_width > 1 or setup.check == 0 or not results:
         for result in results:
             result.check = "not checked"
@@ -352,7 +412,7 @@ def check_samples(setup: BenchSetup, workload: Workload, results: list[EngineRes
     references = {setup.dtype: _references(setup, setup.dtype, requests)}
     for result in results:
         dtype, needed = setup.dtype, min_exact(len(requests))
-        if result.engine == "pagedllm" and _holds_quantized(setup) and setup.dtype != torch.float32:
+        if _rounds_other_weights(result.engine, setup) and setup.dtype != torch.float32:
             dtype, needed = torch.float32, 0
             references.setdefault(dtype, _references(setup, dtype, requests))
         comparison = _compare(result.sample, references[dtype], requests, judge)
@@ -363,6 +423,12 @@ def check_samples(setup: BenchSetup, workload: Workload, results: list[EngineRes
         result.check = f"{comparison.exact}/{len(requests)} exact{near}{against}"
         if comparison.exact < needed:
             raise RuntimeError(f"{result.engine}: {result.check}, at least {needed} exact needed")
+
+
+def _rounds_other_weights(engine: str, setup: BenchSetup) -> bool:
+    """Whether the engine's weights are not transformers' in the workload's dtype: pagedllm holding a GGUF
+    file's quantized blocks, or OpenVINO's fp16 export computed in bf16."""
+    return engine == "openvino" or (engine == "pagedllm" and _holds_quantized(setup))
 
 
 def _holds_quantized(setup: BenchSetup) -> bool:
@@ -448,6 +514,12 @@ def add_bench_throughput_args(parser: argparse.ArgumentParser) -> None:
         **ExistingPaths().flag_kwargs(),
     )
     parser.add_argument(
+        "--openvino-python",
+        default=None,
+        help="python of the venv holding OpenVINO GenAI (scripts/install_openvino.sh)",
+        **ExistingPaths().flag_kwargs(),
+    )
+    parser.add_argument(
         "--check", default=4, help="requests checked against transformers (greedy)", **NON_NEGATIVE_INTS.flag_kwargs()
     )
     parser.add_argument(
@@ -469,6 +541,7 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
         max_model_len=max_model_len,
         hf_batch_size=args.hf_batch_size,
         vllm_python=args.vllm_python,
+        openvino_python=args.openvino_python,
         check=args.check,
         model=default_model_file() if args.model is None else args.model,
         dequantize=args.dequantize,

@@ -2,8 +2,10 @@
 
 The event loop sends commands (add, abort, compile, stop) through a sender thread, so a large prompt never
 blocks it on a full pipe; a reader thread hands every message from the core to the loop
-(call_soon_threadsafe), where each request's outputs go into the queue of the API call that made it, and
-the request's timings into the metrics. Everything here but those two threads runs on the event loop.
+(call_soon_threadsafe). The core sends each step's changes; this process's `OutputProcessor` turns them into
+text and cumulative outputs, decides the stop strings (sending them back to the core as `StopSequences`),
+and each request's outputs go into the queue of the API call that made it, the request's timings into the
+metrics. Everything here but those two threads runs on the event loop.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pagedllm.beam_search import BeamSearchParams
-from pagedllm.engine import PromptInput, TextBound
+from pagedllm.engine import PromptInput, TextBound, tokenize_prompt
 from pagedllm.entrypoints.openai.engine_core import (
     Abort,
     Added,
@@ -34,13 +36,15 @@ from pagedllm.entrypoints.openai.engine_core import (
     Refusal,
     Stats,
     StatsRequest,
-    StepOutputs,
+    StepDeltas,
     Stop,
+    StopSequences,
     run_engine_core,
 )
 from pagedllm.entrypoints.openai.kv_page import KVMonitor, KVUpdate
 from pagedllm.entrypoints.openai.metrics import RequestTiming, ServerMetrics
-from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.output_processor import OutputProcessor
+from pagedllm.outputs import CompletionOutput, RequestDelta, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -159,6 +163,7 @@ class AsyncLLMEngine:
         self.max_model_len = ready.max_model_len
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(ready.model_folder)
         self.text_bound = TextBound.of(self.tokenizer)  # the core's own, so both refuse the same texts
+        self.output_processor = OutputProcessor(self.tokenizer)
         logger.info("engine core ready in %.2f s (pid %d)", ready.startup_seconds, self._process.pid)
 
     def _await_ready(self) -> Ready:
@@ -207,11 +212,13 @@ class AsyncLLMEngine:
         a request that could never run), or EngineStoppedError while shutting down."""
         if not (self._accepting and self.is_running):
             raise EngineStoppedError("the server is shutting down and takes no new requests")
+        tokenized = [tokenize_prompt(self.tokenizer, prompt) for prompt in prompts]
         group = RequestGroup([str(next(self._ids)) for _ in prompts], self._abort)
         n = params.n if isinstance(params, SamplingParams) else params.beam_width
         arrival = time.perf_counter()
-        for index, request_id in enumerate(group.request_ids):
+        for index, (request_id, (text, token_ids)) in enumerate(zip(group.request_ids, tokenized, strict=True)):
             self._live[request_id] = _Live(group, index, n, arrival)
+            self.output_processor.add(request_id, text, token_ids, params)
         self.num_waiting += len(prompts)
         key = next(self._keys)
         try:
@@ -221,6 +228,7 @@ class AsyncLLMEngine:
             raise
         if refusal is not None:
             for request_id in group.request_ids:
+                self.output_processor.abort(request_id)
                 if self._live.pop(request_id, None) is not None:
                     self.num_waiting -= 1
             self._raise(refusal)
@@ -281,6 +289,7 @@ class AsyncLLMEngine:
     def _abort(self, request_ids: list[str]) -> None:
         """Its client left: free the blocks now; nobody is listening for a last output."""
         for request_id in request_ids:
+            self.output_processor.abort(request_id)
             live = self._live.pop(request_id, None)
             if live is not None:
                 self._end(live, "abort")
@@ -290,6 +299,7 @@ class AsyncLLMEngine:
         aborted = list(self._live.items())
         self._live.clear()
         for request_id, live in aborted:
+            self.output_processor.abort(request_id)
             self._end(live, "abort")
             live.group.deliver(live.index, _aborted_output(request_id, live))
         if aborted:
@@ -298,6 +308,7 @@ class AsyncLLMEngine:
     def _fail_all(self, why: str) -> None:
         failed = list(self._live.values())
         self._live.clear()
+        self.output_processor.requests.clear()
         for live in failed:
             self._end(live, "error")
             live.group.deliver(live.index, RequestFailedError(why))
@@ -325,11 +336,8 @@ class AsyncLLMEngine:
 
     def _on_message(self, message: object) -> None:
         match message:
-            case StepOutputs(outputs, failures, when):
-                for output in outputs:
-                    self._dispatch(output, when)
-                for request_id, why in failures.items():
-                    self._fail(request_id, why)
+            case StepDeltas(deltas, failures, when):
+                self._on_step(deltas, failures, when)
             case Stats(stats, key):
                 self.metrics.observe_engine(stats)
                 self._answer(key, None)
@@ -342,6 +350,22 @@ class AsyncLLMEngine:
                 self._die(f"the engine cannot continue: {refusal.message}")
             case _:
                 logger.error("unexpected message from the engine core: %r", message)
+
+    def _on_step(self, deltas: list[RequestDelta], failures: dict[str, str], when: float) -> None:
+        """The core's step, made text and outputs here; stop strings found go back to the core, and a request
+        whose processing failed is aborted there (the core goes on serving the rest)."""
+        processed = self.output_processor.process(deltas)
+        if processed.stops:
+            self._send(StopSequences(processed.stops))
+        if processed.failed:
+            self._send(Abort(list(processed.failed)))
+        for output in processed.outputs:
+            self._dispatch(output, when)
+        for request_id, error in processed.failed.items():
+            self._fail(request_id, repr(error))
+        for request_id, why in failures.items():
+            self.output_processor.abort(request_id)
+            self._fail(request_id, why)
 
     def _answer(self, key: int | None, refusal: Refusal | None) -> None:
         answer = self._pending.get(key) if key is not None else None

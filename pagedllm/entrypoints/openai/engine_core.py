@@ -6,13 +6,14 @@ for the thread the event loop preempted. In a process of its own the engine owns
 and the HTTP side costs it only the messages below, pickled over one pipe (as vLLM v1's engine core does
 over a socket).
 
-The server's process sends `AddRequests`, `Compile`, `Abort`, `StatsRequest`, `KVWatch` and `Stop`; the core
-answers with `Ready` once, then `Added` and `Compiled` (a refusal carries its message), `StepOutputs` after
-every step that moved a request, `Stats` (throttled while busy, always when it falls idle or after an abort,
-and in answer to a `StatsRequest`),
-`KVUpdate` (snapshots and KV events for the /kv page, see `kv_page.KVPublisher`) and `Fatal` when the
-engine cannot go on. The core exits when told to stop, when the engine dies, or when its pipe closes
-(the server's process is gone).
+The server's process sends `AddRequests`, `Compile`, `Abort`, `StopSequences` (what stop strings ended, found
+by the server's output processor), `StatsRequest`, `KVWatch` and `Stop`; the core answers with `Ready` once,
+then `Added` and `Compiled` (a refusal carries its message), `StepDeltas` after every step that changed a
+request (only the new token ids, log-probabilities where asked, and the core's own stops: never text, never
+a whole output, so a step's message does not grow with the sequences' lengths), `Stats` (throttled while
+busy, always when it falls idle or after an abort, and in answer to a `StatsRequest`), `KVUpdate` (snapshots
+and KV events for the /kv page, see `kv_page.KVPublisher`) and `Fatal` when the engine cannot go on. The core
+exits when told to stop, when the engine dies, or when its pipe closes (the server's process is gone).
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from pagedllm.beam_search import BeamSearchParams
-from pagedllm.engine import EngineDeadError, LLMEngine, PromptInput, RequestsFailedError
-from pagedllm.entrypoints.llm import LLM
+from pagedllm.config import EngineConfig
+from pagedllm.engine import CoreStep, EngineDeadError, LLMEngine, PromptInput
 from pagedllm.entrypoints.openai.kv_page import KVPublisher, KVWatch
-from pagedllm.outputs import EngineStats, RequestOutput
+from pagedllm.output_processor import StringStop
+from pagedllm.outputs import EngineStats, RequestDelta
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sequence import SequenceStatus
 
@@ -60,6 +62,11 @@ class Compile:
 @dataclass(frozen=True, slots=True)
 class Abort:
     request_ids: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class StopSequences:
+    stops: list[StringStop]
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,8 +121,8 @@ class Compiled:
 
 
 @dataclass(frozen=True, slots=True)
-class StepOutputs:
-    outputs: list[RequestOutput]
+class StepDeltas:
+    deltas: list[RequestDelta]
     failures: dict[str, str]  # request id -> why serving it failed; the core has aborted it
     time: float  # time.perf_counter() after the step: on Linux one clock for every process
 
@@ -145,7 +152,7 @@ def run_engine_core(conn: Connection, engine_options: dict[str, Any], log_level:
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
     started = time.perf_counter()
     try:
-        engine = LLM(**engine_options).engine
+        engine = LLMEngine(EngineConfig(**engine_options), process_outputs=False)
     except Exception as error:
         conn.send(Fatal(Refusal.of(error)))
         return
@@ -205,6 +212,8 @@ class EngineCore:
                 for request_id in request_ids:
                     self._engine.abort_request(request_id)
                 self._stats_published = 0.0  # gauges right after an abort are exact
+            case StopSequences(stops):
+                self._engine.stop_sequences(stops)
             case Compile(key, params):
                 self._compiler.submit(self._engine.compile_constraint, params).add_done_callback(
                     lambda done, key=key: self.send(Compiled(key, _refusal(done)))
@@ -236,27 +245,22 @@ class EngineCore:
             self._stats_published = now
 
     def _step(self) -> None:
-        failures: dict[str, str] = {}
         try:
-            outputs = self._engine.step()
+            step = self._engine.step_core()
         except EngineDeadError as error:
             logger.error("the engine cannot continue: %s", error)
             self.send(Fatal(Refusal.of(error)))
             self._stopping = True
             return
-        except RequestsFailedError as failure:
-            for request_id, error in failure.errors.items():
-                self._engine.abort_request(request_id)
-                failures[request_id] = repr(error)
-            outputs = failure.outputs
         except Exception as error:
             logger.exception("an engine step failed; failing the requests it was running")
-            for request_id in self._requests_in_failed_step():
+            failed = self._requests_in_failed_step()
+            for request_id in failed:
                 self._engine.abort_request(request_id)
-                failures[request_id] = repr(error)
-            outputs = []
-        if outputs or failures:
-            self.send(StepOutputs(outputs, failures, time.perf_counter()))
+            step = CoreStep(failed=dict.fromkeys(failed, error))
+        if step.deltas or step.failed:
+            failures = {request_id: repr(error) for request_id, error in step.failed.items()}
+            self.send(StepDeltas(step.deltas, failures, time.perf_counter()))
 
     def _requests_in_failed_step(self) -> list[str]:
         """The running requests: their state is unknown after the failure. Waiting ones did not take part. If
