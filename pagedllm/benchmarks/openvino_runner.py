@@ -29,7 +29,13 @@ def main(job_path: str, result_path: str) -> None:
     scheduler.max_num_batched_tokens = job["max_num_batched_tokens"]
     scheduler.dynamic_split_fuse = True
     scheduler.enable_prefix_caching = job["enable_prefix_caching"]
-    properties = {"INFERENCE_NUM_THREADS": job["threads"], "INFERENCE_PRECISION_HINT": job["precision"]}
+    # The KV cache in the compute precision, as pagedllm's (OpenVINO's CPU default compresses it to u8).
+    precision = job["precision"]
+    properties = {
+        "INFERENCE_NUM_THREADS": job["threads"],
+        "INFERENCE_PRECISION_HINT": precision,
+        "KV_CACHE_PRECISION": precision,
+    }
     pipe = genai.ContinuousBatchingPipeline(job["model"], scheduler, "CPU", properties)
     warm = genai.GenerationConfig()
     warm.max_new_tokens = 2
@@ -41,8 +47,9 @@ def main(job_path: str, result_path: str) -> None:
     for prompt, output_len in job["requests"]:
         prompts.append(ov.Tensor(np.array([prompt], dtype=np.int64)))
         config = genai.GenerationConfig()
+        # EOS is generated as any token and does not stop, as with the other engines' ignore_eos (OpenVINO's
+        # min_new_tokens would ban it instead, and pick another token where the model puts EOS first).
         config.max_new_tokens = output_len
-        config.min_new_tokens = output_len
         config.ignore_eos = True
         config.do_sample = False
         configs.append(config)

@@ -15,8 +15,8 @@ row. Engines:
 - vllm: vLLM in its own interpreter (`--vllm-python`), driven by `vllm_runner.py`;
 - openvino: OpenVINO GenAI's `ContinuousBatchingPipeline` in its own interpreter (`--openvino-python`, a venv
   made by `scripts/install_openvino.sh`), driven by `openvino_runner.py`, on the folder exported once with
-  `optimum-cli export openvino --weight-format fp16` (cached under pagedllm's cache); bf16 compute where the
-  CPU has it (f32 with `--dtype float32`). Greedy single-sample workloads only.
+  `optimum-cli export openvino --weight-format fp16` (cached under pagedllm's cache) and computed in bf16, or
+  with `--dtype float32` exported in fp32 and computed in f32. Greedy single-sample workloads only.
 
 Load time is measured from nothing to an engine ready to take requests; throughput from the first
 request to the last token. Counting tokens is not enough: on greedy workloads each engine's outputs for
@@ -329,7 +329,7 @@ def run_openvino(setup: BenchSetup, workload: Workload) -> EngineResult:
     if workload.temperature > 0 or workload.n > 1 or workload.beam_width > 1:
         raise UnsupportedWorkload("measured on greedy single-sample workloads only")
     job = {
-        "model": str(openvino_export(setup.folder, Path(setup.openvino_python))),
+        "model": str(openvino_export(setup.folder, Path(setup.openvino_python), _openvino_weights(setup.dtype))),
         "precision": "f32" if setup.dtype == torch.float32 else "bf16",
         "threads": setup.threads,
         "kv_cache_gb": 4,
@@ -352,18 +352,25 @@ def run_openvino(setup: BenchSetup, workload: Workload) -> EngineResult:
     )
 
 
-def openvino_export(folder: Path, python: Path) -> Path:
-    """The model folder as OpenVINO IR with fp16 weights, exported once by the venv's `optimum-cli` and kept in
-    pagedllm's cache (keyed by the folder and its weights' sizes and times)."""
+def _openvino_weights(dtype: torch.dtype) -> str:
+    """fp32 weights for a float32 run (the same model as transformers'), else fp16 (OpenVINO's own choice for
+    bf16 compute)."""
+    return "fp32" if dtype == torch.float32 else "fp16"
+
+
+def openvino_export(folder: Path, python: Path, weight_format: str) -> Path:
+    """The model folder as OpenVINO IR, exported once by the venv's `optimum-cli` and kept in pagedllm's cache
+    (keyed by the folder, its weights' sizes and times, and the weight format)."""
     weights = sorted(folder.glob("*.safetensors"))
-    stamp = [str(folder.resolve())] + [f"{w.name}:{w.stat().st_size}:{w.stat().st_mtime_ns}" for w in weights]
+    stamp = [str(folder.resolve()), weight_format]
+    stamp += [f"{w.name}:{w.stat().st_size}:{w.stat().st_mtime_ns}" for w in weights]
     key = hashlib.sha256("\n".join(stamp).encode()).hexdigest()[:16]
 
     def export(staging: Path) -> dict:
         cli = python.parent / "optimum-cli"
-        task = ["--task", "text-generation-with-past", "--weight-format", "fp16"]
+        task = ["--task", "text-generation-with-past", "--weight-format", weight_format]
         subprocess.run([str(cli), "export", "openvino", "--model", str(folder), *task, str(staging)], check=True)
-        return {"source": str(folder), "weight_format": "fp16"}
+        return {"source": str(folder), "weight_format": weight_format}
 
     return cached_folder(cache_root() / "openvino", key, export)
 
@@ -428,7 +435,7 @@ def check_samples(setup: BenchSetup, workload: Workload, results: list[EngineRes
 def _rounds_other_weights(engine: str, setup: BenchSetup) -> bool:
     """Whether the engine's weights are not transformers' in the workload's dtype: pagedllm holding a GGUF
     file's quantized blocks, or OpenVINO's fp16 export computed in bf16."""
-    return engine == "openvino" or (engine == "pagedllm" and _holds_quantized(setup))
+    return (engine == "openvino" and setup.dtype != torch.float32) or (engine == "pagedllm" and _holds_quantized(setup))
 
 
 def _holds_quantized(setup: BenchSetup) -> bool:
