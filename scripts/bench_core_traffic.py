@@ -3,10 +3,10 @@
     python scripts/bench_core_traffic.py [--model PATH] [--batch 16] [--contexts 256 4096] [--max-tokens 32]
 
 For each context length, `--batch` requests of that many prompt tokens decode `--max-tokens` tokens each
-(greedy, ignore_eos). Every decode step's message is pickled as the core sends it (`StepDeltas`: each
-request's new token ids) beside what a core that sent whole cumulative outputs would send (the same step's
-`RequestOutput`s, as the server's output processor builds them from the deltas), and the processing time the
-core no longer spends (detokenization, stop strings, outputs) is timed.
+(greedy, ignore_eos). Each step's message for the requests that gained a token is pickled as the core sends it
+(`StepDeltas`: each request's new token ids) beside what a core that sent whole cumulative outputs would send
+(the same requests' `RequestOutput`s, as the server's output processor builds them from the deltas), per request,
+and the processing the core no longer does (detokenization, stop strings, outputs) is timed per request.
 """
 
 from __future__ import annotations
@@ -37,17 +37,22 @@ def measure(engine: LLMEngine, context: int, batch: int, max_tokens: int) -> dic
         processed = engine.output_processor.process(step.deltas)
         elapsed = time.perf_counter() - started
         engine.stop_sequences(processed.stops)
-        decoding = step.deltas and all(len(delta.seqs) == 1 and not delta.finished for delta in step.deltas)
-        if decoding and len(step.deltas) == batch:
-            delta_bytes.append(len(pickle.dumps(StepDeltas(step.deltas, {}, 0.0))))
-            output_bytes.append(len(pickle.dumps((processed.outputs, {}, 0.0))))
-            process_s.append(elapsed)
+        # The requests that gained one token and go on (chunked prefill overlaps the long prompts' decodes, so
+        # a step rarely holds the whole batch): bytes per request per step, both ways.
+        decoding = {d.request_id for d in step.deltas if not d.finished and len(d.seqs) == 1}
+        if not decoding:
+            continue
+        deltas = [d for d in step.deltas if d.request_id in decoding]
+        outputs = [o for o in processed.outputs if o.request_id in decoding]
+        delta_bytes.append(len(pickle.dumps(StepDeltas(deltas, {}, 0.0))) / len(deltas))
+        output_bytes.append(len(pickle.dumps((outputs, {}, 0.0))) / len(outputs))
+        process_s.append(elapsed / len(step.deltas))
     return {
         "context": context,
         "decode_steps": len(delta_bytes),
-        "delta_bytes_per_step": statistics.mean(delta_bytes),
-        "whole_output_bytes_per_step": statistics.mean(output_bytes),
-        "processing_ms_per_step": 1e3 * statistics.mean(process_s),
+        "delta_bytes_per_request_step": statistics.mean(delta_bytes),
+        "whole_output_bytes_per_request_step": statistics.mean(output_bytes),
+        "processing_us_per_request_step": 1e6 * statistics.mean(process_s),
     }
 
 
@@ -61,12 +66,12 @@ def main() -> None:
     longest = max(args.contexts) + args.max_tokens
     config = EngineConfig(model=args.model, max_model_len=longest, max_num_seqs=args.batch)
     engine = LLMEngine(config)
-    print("context  steps  core sends B/step  whole outputs B/step  processing ms/step (now off the core)")
+    print("context  steps  core sends B  whole outputs B  processing µs (now off the core), per request per step")
     for context in args.contexts:
         row = measure(engine, context, args.batch, args.max_tokens)
         print(
-            f"{row['context']:7d}  {row['decode_steps']:5d}  {row['delta_bytes_per_step']:17.0f}  "
-            f"{row['whole_output_bytes_per_step']:20.0f}  {row['processing_ms_per_step']:18.2f}"
+            f"{row['context']:7d}  {row['decode_steps']:5d}  {row['delta_bytes_per_request_step']:12.0f}  "
+            f"{row['whole_output_bytes_per_request_step']:15.0f}  {row['processing_us_per_request_step']:12.1f}"
         )
 
 
