@@ -16,15 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from pagedllm.benchmarks.throughput import vllm_env
+from pagedllm.benchmarks.throughput import run_peer, vllm_env
 from pagedllm.config import DTypes, EngineConfig, add_option_flag
 from pagedllm.domains import POSITIVE_INTS, ExistingPaths
 from pagedllm.entrypoints.llm import LLM, Message
@@ -159,7 +157,9 @@ def time_vllm(args: argparse.Namespace, llm: LLM, pagedllm_tokens: list[list[int
     }
     sides = {}
     for side, config in (("off", None), ("on", {"method": "ngram", **settings})):
-        sides[side] = _run_vllm(args.vllm_python, job | {"speculative_config": config})
+        sides[side] = run_peer(
+            args.vllm_python, VLLM_RUNNER, job | {"speculative_config": config}, vllm_env(job["threads"])
+        )
     for round_, (off, on) in enumerate(zip(sides["off"]["rounds"], sides["on"]["rounds"], strict=True)):
         same = sum(a == b for a, b in zip(on["outputs"], off["outputs"], strict=True))
         as_pagedllm = sum(a == b for a, b in zip(off["outputs"], pagedllm_tokens, strict=True))
@@ -178,15 +178,3 @@ def time_vllm(args: argparse.Namespace, llm: LLM, pagedllm_tokens: list[list[int
             }
         )
     )
-
-
-def _run_vllm(python: str, job: dict) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
-        job_path.write_text(json.dumps(job))
-        subprocess.run(
-            [python, str(VLLM_RUNNER), str(job_path), str(result_path)],
-            check=True,
-            env=vllm_env(job["threads"]),
-        )
-        return json.loads(result_path.read_text())

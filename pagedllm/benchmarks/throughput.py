@@ -283,12 +283,22 @@ def _hf_cb_blocks(workload: Workload) -> int:
 def run_vllm(setup: BenchSetup, workload: Workload) -> EngineResult:
     if setup.vllm_python is None:
         raise ValueError("--engines vllm needs --vllm-python (the interpreter of a venv with vLLM installed)")
-    job = {
+    job = _workload_job(setup, workload) | {
         "model": str(setup.folder),
         "dtype": str(setup.dtype).removeprefix("torch."),
-        "threads": setup.threads,
         "seed": setup.seed,
         "max_model_len": setup.max_model_len,
+    }
+    answer = run_peer(setup.vllm_python, VLLM_RUNNER, job, vllm_env(setup.threads))
+    return measure(
+        "vllm", answer["load_seconds"], answer["seconds"], answer["generated_tokens"], workload, answer["sample"]
+    )
+
+
+def _workload_job(setup: BenchSetup, workload: Workload) -> dict:
+    """What every peer's runner reads of the workload and the setup."""
+    return {
+        "threads": setup.threads,
         "max_num_batched_tokens": DEFAULT_MAX_NUM_BATCHED_TOKENS,
         # Throughput runs without caching unless the workload is about sharing a prefix.
         "enable_prefix_caching": workload.name == "shared-prefix",
@@ -298,18 +308,15 @@ def run_vllm(setup: BenchSetup, workload: Workload) -> EngineResult:
         "beam_width": workload.beam_width,
         "check": setup.check,
     }
+
+
+def run_peer(python: str, runner: Path, job: dict, env: dict[str, str] | None = None) -> dict:
+    """Run a peer's runner script in the peer's own interpreter on `job`, and return its JSON answer."""
     with tempfile.TemporaryDirectory() as tmp:
         job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
         job_path.write_text(json.dumps(job))
-        subprocess.run(
-            [setup.vllm_python, str(VLLM_RUNNER), str(job_path), str(result_path)],
-            check=True,
-            env=vllm_env(setup.threads),
-        )
-        answer = json.loads(result_path.read_text())
-    return measure(
-        "vllm", answer["load_seconds"], answer["seconds"], answer["generated_tokens"], workload, answer["sample"]
-    )
+        subprocess.run([python, str(runner), str(job_path), str(result_path)], check=True, env=env)
+        return json.loads(result_path.read_text())
 
 
 def vllm_env(threads: int) -> dict[str, str]:
@@ -328,25 +335,13 @@ def run_openvino(setup: BenchSetup, workload: Workload) -> EngineResult:
         raise ValueError("--engines openvino needs --openvino-python (scripts/install_openvino.sh's python)")
     if workload.temperature > 0 or workload.n > 1 or workload.beam_width > 1:
         raise UnsupportedWorkload("measured on greedy single-sample workloads only")
-    job = {
+    job = _workload_job(setup, workload) | {
         "model": str(openvino_export(setup.folder, Path(setup.openvino_python), _openvino_weights(setup.dtype))),
         "precision": "f32" if setup.dtype == torch.float32 else "bf16",
-        "threads": setup.threads,
         "kv_cache_gb": 4,
         "max_num_seqs": 256,
-        "max_num_batched_tokens": DEFAULT_MAX_NUM_BATCHED_TOKENS,
-        "enable_prefix_caching": workload.name == "shared-prefix",
-        "requests": [[list(r.prompt), r.output_len] for r in workload.requests],
-        "n": workload.n,
-        "temperature": workload.temperature,
-        "beam_width": workload.beam_width,
-        "check": setup.check,
     }
-    with tempfile.TemporaryDirectory() as tmp:
-        job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
-        job_path.write_text(json.dumps(job))
-        subprocess.run([setup.openvino_python, str(OPENVINO_RUNNER), str(job_path), str(result_path)], check=True)
-        answer = json.loads(result_path.read_text())
+    answer = run_peer(setup.openvino_python, OPENVINO_RUNNER, job)
     return measure(
         "openvino", answer["load_seconds"], answer["seconds"], answer["generated_tokens"], workload, answer["sample"]
     )
