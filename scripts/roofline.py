@@ -242,9 +242,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--floor-workloads", default="synthetic,sharegpt-like")
     parser.add_argument("--num-prompts", type=int, default=128)
+    parser.add_argument(
+        "--dequantize", action="store_true", help="the GGUF's weights as bf16 (the peers' precision), not as stored"
+    )
     args = parser.parse_args()
     gemm_peak_gflops, read_peak_gbs = gemm_peak(), read_peak()
-    llm = LLM()
+    llm = LLM(dequantize=args.dequantize)
     instrument()
     rng = random.Random(0)
     prefill = prefill_steps(llm, args.prompt_len, args.repeats, rng)

@@ -3,8 +3,8 @@ mixed prefill and decode, grouped-query ratios, head dims, block sizes, float32 
 kernels within a bound from bf16's precision of exact attention, up to 4k positions.
 
 The CPU paths are the C kernel's two implementations (AVX512-BF16 where this machine's compiler targets
-it, and the portable C one every other machine runs) and the torch fallback for machines without a
-compiler."""
+it, and the portable C one every other machine runs), torch's SDPA for prefill chunks (here every chunk, the
+other rows on the C kernel) and the torch fallback for machines without a compiler."""
 
 from __future__ import annotations
 
@@ -21,11 +21,11 @@ from pagedllm.attention.reference import gather_sequence
 TOLERANCE = {torch.float32: (1e-5, 0.0), torch.bfloat16: (1e-2, 1e-2)}
 # The AVX512-BF16 kernel is compiled only where the CPU has it (test_native_kernel_builds_here... checks
 # that it is there exactly then); elsewhere there is nothing of it to run.
-IMPLEMENTATIONS = ["avx512", "portable", "torch"] if cpu.has_fast_bf16() else ["portable", "torch"]
+IMPLEMENTATIONS = ["sdpa", *(["avx512"] if cpu.has_fast_bf16() else []), "portable", "torch"]
 # What cache slots no sequence owns hold: the C kernel never reads them, so NaN there proves it; the torch
 # path multiplies the padding of gathered blocks by a weight of 0, which needs them finite (as in the
 # engine, whose pool starts zeroed and whose reused blocks hold stale K/V).
-UNUSED_SLOTS = {"avx512": float("nan"), "portable": float("nan"), "torch": 7.0}
+UNUSED_SLOTS = {"sdpa": float("nan"), "avx512": float("nan"), "portable": float("nan"), "torch": 7.0}
 HEAD_SHAPES = [(4, 4, 64), (9, 3, 64), (8, 1, 128), (16, 2, 32)]  # (heads, KV heads, head dim): GQA 1, 3, 8
 
 
@@ -68,7 +68,9 @@ def make_case(
 
 
 def use(implementation, monkeypatch):
-    """Route the CPU path to one implementation."""
+    """Route the CPU path to one implementation: "sdpa" takes every prefill chunk (in any dtype, on any CPU),
+    the C kernel's every chunk."""
+    monkeypatch.setattr(cpu, "runs_on_sdpa", lambda *args: implementation == "sdpa")
     if implementation == "torch":
         monkeypatch.setattr(cpu, "supports", lambda *args: False)
     elif implementation == "portable":
@@ -415,7 +417,9 @@ def test_window_and_softcap_reach_every_backend_call(monkeypatch):
 # The portable kernel rounds the output only. float32's sums of n terms are good to n 2^-24 of the sum of
 # their magnitudes (Higham's gamma_n), here at most spread + |out|; exp2's polynomial (~1e-7) is far below.
 # So both stay within (2^-8 + n 2^-24) x (spread + |out|), element by element; P.V accumulated in bf16, or
-# an output an ulp or two off, do not.
+# an output an ulp or two off, do not. Torch's SDPA sums the unrounded probabilities but multiplies V by the
+# rounded ones: out' - out = sum_j p_j d_j v_j / sum_j p_j, at most 2^-8 of the weighted mean of |v_j|, itself
+# at most |out| + spread; with the output's rounding, within (2^-8 + n 2^-24) x (spread + 2 |out|).
 BF16_ROUNDING = 2.0**-8
 FLOAT32_ROUNDING = 2.0**-24
 BF16_IMPLEMENTATIONS = [i for i in IMPLEMENTATIONS if i != "torch"]
@@ -472,9 +476,21 @@ def test_bf16_kernels_within_bf16_precision_of_exact_attention_up_to_4k(
     got = paged_attention(query, k_cache, v_cache, tables, seq_lens, starts, scale, backend="cpu").double()
     exact, spread = exact_attention(query, k_cache, v_cache, tables, seq_lens, starts, scale)
     assert float(exact.abs().median()) > 0.5
-    bound = (BF16_ROUNDING + max(lens) * FLOAT32_ROUNDING) * (spread + exact.abs())
+    magnitude = spread + (2 if implementation == "sdpa" else 1) * exact.abs()
+    bound = (BF16_ROUNDING + max(lens) * FLOAT32_ROUNDING) * magnitude
     excess = (got - exact).abs() / bound
     worst = int(excess.argmax())
     assert float(excess.max()) <= 1.0, (
         f"{got.flatten()[worst]:.6f} vs exact {exact.flatten()[worst]:.6f}: {float(excess.max()):.2f}x the bound"
     )
+
+
+def test_sdpa_takes_only_long_bf16_chunks_on_amx(monkeypatch):
+    monkeypatch.setattr(cpu, "has_amx", lambda: True)
+    assert cpu.runs_on_sdpa(256, 256, torch.bfloat16)
+    assert cpu.runs_on_sdpa(64, 600, torch.bfloat16)
+    assert not cpu.runs_on_sdpa(256, 256, torch.float32)
+    assert not cpu.runs_on_sdpa(48, 4000, torch.bfloat16)  # too few rows for a tile
+    assert not cpu.runs_on_sdpa(128, 128, torch.bfloat16)  # too few scores
+    monkeypatch.setattr(cpu, "has_amx", lambda: False)
+    assert not cpu.runs_on_sdpa(2048, 2048, torch.bfloat16)

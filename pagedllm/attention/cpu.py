@@ -9,19 +9,29 @@ soft-capping runs each kernel's general specialization; without them the plain o
 int8 cache (`kv_quant`'s rows) runs the portable kernel of the query's dtype, its rows dequantized to
 float32 a chunk at a time.
 
-Set PAGEDLLM_NATIVE=0 to disable it (see `pagedllm.native`).
+On a CPU with AMX, a long bf16 prefill chunk (`runs_on_sdpa`; without soft-capping, on a bf16 cache) runs
+instead on torch's fused `scaled_dot_product_attention`, whose flash kernel tiles Q.K^T and P.V into AMX
+GEMMs: the chunk's context is gathered from its blocks, the causal (and window) mask placed after its cached
+positions. Products accumulate in float32 and the softmax is exact in float32, with probabilities rounded
+to bf16 for P.V, as in the C kernel (which divides by the sum of the rounded ones, SDPA by the unrounded).
+The other sequences of the step still run in one C kernel call. Without AMX the C kernel is the faster
+(docs/PERFORMANCE.md), and it runs every chunk.
+
+Set PAGEDLLM_NATIVE=0 to disable the C kernel (see `pagedllm.native`).
 """
 
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from functools import cache
 
 import torch
+import torch.nn.functional as F
 
 from pagedllm import native
 from pagedllm.attention import kv_quant
-from pagedllm.attention.metadata import AttentionCall
+from pagedllm.attention.metadata import AttentionCall, AttentionMetadata, PrefillChunk
 
 _PORTABLE = {torch.bfloat16: "paged_attention_bf16_portable", torch.float32: "paged_attention_f32_portable"}
 _INT8_KV = {
@@ -44,6 +54,20 @@ _ARGTYPES = [
     ctypes.c_float,
 ]
 _TANH = "paged_attention_tanh"  # the kernels' tanh, exported for the tests
+# Where a chunk's attention is GEMM-shaped enough for SDPA's AMX tiles to beat the C kernel by 1.5x or more:
+# enough query rows per tile and enough scores in all (measured on the AMX kind, docs/PERFORMANCE.md).
+SDPA_MIN_QUERY = 64
+SDPA_MIN_SCORES = 128 * 256
+
+
+@cache
+def has_amx() -> bool:
+    return "amx_bf16" in native.cpu_flags().split()
+
+
+def runs_on_sdpa(q_len: int, seq_len: int, dtype: torch.dtype) -> bool:
+    """Whether a prefill chunk of `q_len` query tokens over `seq_len` positions runs on SDPA."""
+    return dtype == torch.bfloat16 and q_len >= SDPA_MIN_QUERY and q_len * seq_len >= SDPA_MIN_SCORES and has_amx()
 
 
 @cache
@@ -98,12 +122,87 @@ def kernel_name(dtype: torch.dtype, head_dim: int, cache_dtype: torch.dtype | No
     return _PORTABLE[dtype]
 
 
+@dataclass(frozen=True, slots=True)
+class SdpaSplit:
+    """A step's sequences as the CPU backend runs them: `chunks` on SDPA, the others (`rest`, rows `rest_rows`
+    of the flat batch, in order) in one C kernel call; `rest_rows` is None when nothing runs on SDPA."""
+
+    chunks: list[PrefillChunk]
+    rest: AttentionMetadata | None
+    rest_rows: torch.Tensor | None
+
+
+def sdpa_split(metadata: AttentionMetadata, dtype: torch.dtype) -> SdpaSplit:
+    chunks = [c for c in metadata.prefills if runs_on_sdpa(c.rows.stop - c.rows.start, c.seq_len, dtype)]
+    if not chunks:
+        return SdpaSplit([], metadata, None)
+    on_sdpa = {c.rows.start for c in chunks}
+    starts = metadata.query_start_loc.tolist()
+    rest = [s for s in range(len(starts) - 1) if starts[s] not in on_sdpa]
+    if not rest:
+        return SdpaSplit(chunks, None, torch.empty(0, dtype=torch.long))
+    index = torch.tensor(rest, dtype=torch.long)
+    rows = torch.cat([torch.arange(starts[s], starts[s + 1]) for s in rest])
+    lens = [starts[s + 1] - starts[s] for s in rest]
+    rest_starts = torch.tensor([0, *lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    tables, seq_lens = metadata.block_tables[index], metadata.seq_lens[index]
+    return SdpaSplit(chunks, AttentionMetadata.build(tables, seq_lens, rest_starts, metadata.block_size, "cpu"), rows)
+
+
 def attend(call: AttentionCall) -> torch.Tensor:
-    """Every sequence's query tokens in one kernel call (see `AttentionCall`). Only for tensors `supports`
-    accepts."""
+    """Every sequence's query tokens (see `AttentionCall`): long prefill chunks on SDPA where the call allows
+    it, the rest in one C kernel call. Only for tensors `supports` accepts."""
+    if call.softcap or call.k_cache.dtype != call.query.dtype:
+        return _kernel(call.query, call)
+    split = call.metadata.derived(f"cpu_sdpa_split/{call.query.dtype}", lambda m: sdpa_split(m, call.query.dtype))
+    if split.rest_rows is None:
+        return _kernel(call.query, call)
+    out = torch.empty(call.query.shape, dtype=call.query.dtype)
+    if split.rest is not None:
+        rest = AttentionCall(call.query, call.k_cache, call.v_cache, split.rest, call.scale, call.window)
+        out.index_copy_(0, split.rest_rows, _kernel(call.query.index_select(0, split.rest_rows), rest))
+    for chunk in split.chunks:
+        out[chunk.rows] = _sdpa_chunk(call, chunk)
+    return out
+
+
+def _sdpa_chunk(call: AttentionCall, chunk: PrefillChunk) -> torch.Tensor:
+    """One chunk's `[q_len, H, D]` through SDPA: its context gathered from the block holding its first
+    query's window start (the entries before it are never read), masked causally after the cached tokens."""
+    query, window = call.query[chunk.rows], int(call.window)
+    q_len, seq_len = query.shape[0], chunk.seq_len
+    block_size, num_kv_heads = call.k_cache.shape[1], call.k_cache.shape[2]
+    first_query = seq_len - q_len
+    lowest = (max(0, first_query - window + 1) if window > 0 else 0) // block_size * block_size
+    block_ids = chunk.block_tables[0, lowest // block_size : -(-seq_len // block_size)]
+    keys, values = (
+        cache.index_select(0, block_ids).view(-1, num_kv_heads, cache.shape[3])[: seq_len - lowest].transpose(0, 1)
+        for cache in (call.k_cache, call.v_cache)
+    )
+    mask = None
+    if lowest != first_query or window > 0:
+        key_positions = torch.arange(lowest, seq_len)
+        query_positions = torch.arange(first_query, seq_len)[:, None]
+        mask = key_positions[None, :] <= query_positions
+        if window > 0:
+            mask &= key_positions[None, :] > query_positions - window
+    out = F.scaled_dot_product_attention(
+        query.transpose(0, 1)[None],
+        keys[None],
+        values[None],
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=call.scale,
+        enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)
+
+
+def _kernel(query: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+    """The C kernel over `query` (the rows `call.metadata` describes)."""
     lib = library()
     assert lib is not None
-    query, k_cache, metadata = call.query.contiguous(), call.k_cache, call.metadata
+    query, k_cache, metadata = query.contiguous(), call.k_cache, call.metadata
     out = torch.empty(query.shape, dtype=query.dtype)
     block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], kv_quant.head_dim(k_cache)
     block_tables = metadata.block_tables
