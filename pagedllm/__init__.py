@@ -4,6 +4,7 @@ from pagedllm.beam_search import BeamSearchParams
 from pagedllm.config import EngineConfig
 from pagedllm.engine import LLMEngine
 from pagedllm.entrypoints.llm import LLM
+from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -14,6 +15,7 @@ __all__ = [
     "EngineConfig",
     "EngineStats",
     "LLMEngine",
+    "LoRARequest",
     "Logprob",
     "RequestOutput",
     "SamplingParams",

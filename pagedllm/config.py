@@ -162,9 +162,21 @@ class EngineConfig:
         "running sequences",
         domain=JsonObjects(speculative.KEYS),
     )
+    enable_lora: bool = option(
+        False, "serve LoRA adapters (PEFT folders) on top of the model, per request", domain=Booleans()
+    )
+    max_loras: int = option(1, "LoRA adapters one step may run (slots held in memory)", domain=POSITIVE_INTS)
+    max_lora_rank: int = option(16, "highest rank of a LoRA adapter (every slot is this rank)", domain=POSITIVE_INTS)
+    max_cpu_loras: int | None = option(
+        None, "LoRA adapters kept loaded in CPU memory (default: max_loras)", domain=POSITIVE_INTS
+    )
 
     def __post_init__(self) -> None:
         check_options(self)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora runs on one rank only (tensor_parallel_size 1)")
         if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
             raise ValueError("give num_kv_blocks or kv_cache_memory, not both")
         if self.device == "cuda" and not torch.cuda.is_available():

@@ -23,6 +23,7 @@ from pagedllm.beam_search import BeamSearchParams, BeamState
 from pagedllm.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from pagedllm.kv.events import KVEventFile, KVEventSink
 from pagedllm.kv.kv_cache_manager import KVCacheManager
+from pagedllm.lora_request import LoRARequest
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.loader import LoadedModel, load_model, reads_lean_folder, resolve_model_folder
 from pagedllm.output_processor import OutputProcessor, StringStop
@@ -44,6 +45,7 @@ from pagedllm.structured_output import StructuredOutputCompiler
 from pagedllm.worker.cache_engine import KVShape
 from pagedllm.worker.draft import DraftModel
 from pagedllm.worker.group import TensorParallelGroup, pool_size
+from pagedllm.worker.lora_manager import LoRAManager
 from pagedllm.worker.worker import StageError, StepTimer, Worker
 
 logger = logging.getLogger(__name__)
@@ -126,6 +128,7 @@ class LLMEngine:
             eos_ids,
             self.max_model_len,
             speculative,
+            config.max_loras if config.enable_lora else 0,
         )
         draft = None if speculative is None or speculative.model is None else self._load_draft(speculative.model)
         self.worker = Worker(
@@ -137,7 +140,9 @@ class LLMEngine:
             eos_ids,
             self._group.shard is not None,
             draft,
+            self._lora_manager(),
         )
+        self._lora_removals: set[int] = set()  # adapters removed while requests still run under them
         self._finalizer = weakref.finalize(self, self._group.stop, self.worker)
         self.output_processor = OutputProcessor(self.tokenizer) if process_outputs else None
         self.structured_outputs = StructuredOutputCompiler(self.tokenizer, self.vocab_size, eos_ids)
@@ -164,24 +169,33 @@ class LLMEngine:
             self.text_bound.check(text, self.max_model_len)
         return tokenize_prompt(self.tokenizer, prompt)
 
-    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> None:
         """Validate and queue a request. A request that could never run is refused here, never left to hang.
-        A prompt dict may carry `cache_salt`: requests with different salts never share cached blocks."""
+        A prompt dict may carry `cache_salt`: requests with different salts never share cached blocks (nor do
+        requests of different adapters, nor an adapter's and the base model's)."""
         params = params or SamplingParams()
-        group = self._new_group(request_id, prompt, params, params.max_tokens, params.num_samples)
+        group = self._new_group(request_id, prompt, params, params.max_tokens, params.num_samples, lora_request)
         group.pending_forks = params.num_samples - 1
         self._queue(group)
 
-    def add_requests(self, requests: list[tuple[str, PromptInput, SamplingParams | BeamSearchParams]]) -> None:
-        """Queue every request or none: if one is refused, those already queued are withdrawn, and with
-        several the error says which prompt it was."""
+    def add_requests(self, requests: list[tuple]) -> None:
+        """Queue every request, each `(request_id, prompt, params)` or `(request_id, prompt, params, lora_request)`,
+        or none: if one is refused, those already queued are withdrawn, and with several the error says which
+        prompt it was."""
         added: list[str] = []
         try:
-            for request_id, prompt, params in requests:
+            for request_id, prompt, params, *lora in requests:
+                lora_request = lora[0] if lora else None
                 if isinstance(params, BeamSearchParams):
-                    self.add_beam_request(request_id, prompt, params)
+                    self.add_beam_request(request_id, prompt, params, lora_request)
                 else:
-                    self.add_request(request_id, prompt, params)
+                    self.add_request(request_id, prompt, params, lora_request)
                 added.append(request_id)
         except Exception as error:
             for request_id in added:
@@ -197,25 +211,78 @@ class LLMEngine:
         if params.structured_outputs is not None:
             self.structured_outputs.compile(params.structured_outputs)
 
-    def add_beam_request(self, request_id: str, prompt: PromptInput, params: BeamSearchParams) -> None:
+    def add_beam_request(
+        self, request_id: str, prompt: PromptInput, params: BeamSearchParams, lora_request: LoRARequest | None = None
+    ) -> None:
         greedy = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos)
-        group = self._new_group(request_id, prompt, greedy, params.max_tokens, params.beam_width)
+        group = self._new_group(request_id, prompt, greedy, params.max_tokens, params.beam_width, lora_request)
         group.beam = BeamState(params, self.scheduler.eos_ids)
         self._queue(group)
 
     def _new_group(
-        self, request_id: str, prompt: PromptInput, params: SamplingParams, max_tokens: int | None, num_seqs: int
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams,
+        max_tokens: int | None,
+        num_seqs: int,
+        lora_request: LoRARequest | None,
     ) -> SequenceGroup:
         """The request as its first sequence; `num_seqs` is how many it grows to (n samples, best_of, beams)."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, token_ids = self.tokenize(prompt)
         self._check_logit_bias(params)
+        if lora_request is not None:
+            self.add_lora(lora_request)
         seq = self.sequences.new(request_id, token_ids, params, self._check_fits(token_ids, max_tokens, num_seqs))
         seq.cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        seq.lora = lora_request
         if params.structured_outputs is not None:
             seq.grammar = self.structured_outputs.matcher(params.structured_outputs)
         return SequenceGroup(request_id, text, token_ids, [seq])
+
+    # ---- LoRA adapters (vLLM's names) ----------------------------------------------------------
+
+    def _lora_manager(self) -> LoRAManager | None:
+        config = self.config
+        if not config.enable_lora:
+            return None
+        cpu_loras = config.max_cpu_loras or config.max_loras
+        return LoRAManager(self.loaded.model, config.max_loras, config.max_lora_rank, cpu_loras, config.torch_dtype)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter into CPU memory (a request naming it loads it too); ValueError naming what is wrong
+        with it, or that the engine was built without enable_lora."""
+        if self.worker.lora is None:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r} asked for, but the engine has enable_lora off")
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        self._lora_removals.discard(lora_request.lora_int_id)
+        self.worker.lora.load(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter once no request runs under it (those running finish first); False if unknown."""
+        if self.worker.lora is None or lora_int_id not in self.worker.lora.known_ids():
+            return False
+        self._lora_removals.add(lora_int_id)
+        self._settle_lora_removals()
+        return True
+
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters loaded (in CPU memory or in a slot), less those being removed."""
+        if self.worker.lora is None:
+            return set()
+        return self.worker.lora.known_ids() - self._lora_removals
+
+    def _settle_lora_removals(self) -> None:
+        if not self._lora_removals:
+            return
+        in_use = {s.lora.lora_int_id for g in self.requests.values() for s in g.seqs if s.lora is not None}
+        for lora_id in self._lora_removals - in_use:
+            self.worker.lora.remove(lora_id)
+            self._lora_removals.discard(lora_id)
 
     def _check_logit_bias(self, params: SamplingParams) -> None:
         """Token ids the sampler indexes the logits with must lie in the model's vocabulary."""
@@ -307,6 +374,7 @@ class LLMEngine:
                 self.scheduler.remove(self.requests.pop(delta.request_id))
         for request_id in failed:
             self.abort_request(request_id)
+        self._settle_lora_removals()
         timer.lap("update")
         self._num_steps += 1
         self._notify()

@@ -49,8 +49,10 @@ class Scheduler:
         eos_ids: frozenset[int],
         max_model_len: int,
         speculative: SpeculativeConfig | None = None,
+        max_loras: int = 0,
     ) -> None:
         self.kv = kv
+        self.max_loras = max_loras  # distinct LoRA adapters running at once
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
@@ -192,7 +194,7 @@ class Scheduler:
             # Room for its blocks plus one new block per sequence, so it can take its next step.
             if self.kv.blocks_to_swap_in(ids) + len(ids) > self.kv.pool.num_free:
                 break
-            if self.num_running_seqs + len(ids) > self.max_num_seqs:
+            if self.num_running_seqs + len(ids) > self.max_num_seqs or not self._adapter_fits(group):
                 break
             self.swapped.popleft()
             out.swap_in.extend(self.kv.swap_in(ids))
@@ -207,8 +209,20 @@ class Scheduler:
     # ---- new and recomputed requests --------------------------------------------------------
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting requests in order; one whose adapter would be one too many waits (those behind it
+        may still run: the base model's, and those of adapters already running)."""
+        passed: list[SequenceGroup] = []
+        try:
+            self._admit_in_order(out, budget, passed)
+        finally:
+            self.waiting.extendleft(reversed(passed))
+
+    def _admit_in_order(self, out: SchedulerOutput, budget: int, passed: list[SequenceGroup]) -> None:
         while self.waiting and budget > 0:
             group = self.waiting[0]
+            if not self._adapter_fits(group):
+                passed.append(self.waiting.popleft())
+                continue
             seqs = group.live_seqs()
             if self.num_running_seqs + len(seqs) > self.max_num_seqs:
                 return
@@ -226,6 +240,14 @@ class Scheduler:
             self.running.append(group)
             budget -= spent
 
+    def _adapter_fits(self, group: SequenceGroup) -> bool:
+        """Whether the group's adapter (if any) is running already or one more fits under max_loras."""
+        lora = group.seqs[0].lora
+        if lora is None:
+            return True
+        running = {g.seqs[0].lora.lora_int_id for g in self.running if g.seqs[0].lora is not None}
+        return lora.lora_int_id in running or len(running) < self.max_loras
+
     def _has_headroom(self, num_new_seqs: int) -> bool:
         """Admit only while every running sequence could still grow by one block: filling the pool to
         the brim means preempting (and recomputing) the newcomer a step later, over and over."""
@@ -238,7 +260,7 @@ class Scheduler:
         still owed prompt log-probabilities takes cached blocks only before the first position to score."""
         first_unscored = seq.num_prompt_tokens - 1 - seq.num_prompt_logprobs_missing
         lookup = seq.token_ids[: first_unscored + 1] if seq.num_prompt_logprobs_missing else seq.token_ids
-        hit = self.kv.start_sequence(seq.seq_id, lookup, seq.cache_salt)
+        hit = self.kv.start_sequence(seq.seq_id, lookup, seq.block_salt)
         seq.num_computed_tokens = hit
         return hit
 

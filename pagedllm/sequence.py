@@ -6,11 +6,13 @@ from __future__ import annotations
 import copy
 import enum
 import itertools
+import json
 from dataclasses import dataclass
 
 import torch
 import xgrammar as xgr
 
+from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import SampleLogprobs
 from pagedllm.sampling_params import SamplingParams
 
@@ -56,9 +58,18 @@ class Sequence:
     num_computed_tokens: int = 0
     cumulative_logprob: float = 0.0  # a beam's score; samples' own are kept by the output processor
     cache_salt: str | None = None  # an extra key of the first block's hash: different salts never share
+    lora: LoRARequest | None = None  # the adapter it runs under (None: the base model)
     # Entry i is prompt token i + 1's; filled as prompt chunks are computed (only with params.prompt_logprobs).
     prompt_logprobs: SampleLogprobs | None = None
     grammar: xgr.GrammarMatcher | None = None  # the constraint's state after the tokens generated so far
+
+    @property
+    def block_salt(self) -> str | None:
+        """The extra key of its first block's hash: the cache salt and the adapter, each of which changes the
+        K/V of the same tokens."""
+        if self.lora is None:
+            return self.cache_salt
+        return json.dumps([self.cache_salt, self.lora.cache_key])
 
     @property
     def num_tokens(self) -> int:

@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerBase
 from pagedllm.beam_search import BeamSearchParams
 from pagedllm.config import EngineConfig
 from pagedllm.engine import LLMEngine, PromptInput
+from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import EngineStats, KVSnapshot, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -42,21 +43,38 @@ class LLM:
         self.engine.reset_prefix_cache()
 
     def beam_search(
-        self, prompts: PromptInput | Seq[PromptInput], params: BeamSearchParams, use_tqdm: bool = False
+        self,
+        prompts: PromptInput | Seq[PromptInput],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Beam search per prompt; each result's outputs are its beams, best score first."""
         batch = _as_prompt_list(prompts)
-        return self._run(self._add_all(batch, [params] * len(batch)), use_tqdm)
+        return self._run(self._add_all(batch, [params] * len(batch), _per_prompt(lora_request, len(batch))), use_tqdm)
 
     def generate(
         self,
         prompts: PromptInput | Seq[PromptInput],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion in continuous batches; results come back in input order."""
+        """Run every prompt to completion in continuous batches; results come back in input order. With
+        `lora_request` (one for all prompts, or one per prompt, None for the base model) prompts run under
+        LoRA adapters (`enable_lora=True`), all in the same batches."""
         batch = _as_prompt_list(prompts)
-        return self._run(self._add_all(batch, _params_per_prompt(sampling_params, len(batch))), use_tqdm)
+        params = _params_per_prompt(sampling_params, len(batch))
+        return self._run(self._add_all(batch, params, _per_prompt(lora_request, len(batch))), use_tqdm)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return self.engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.engine.remove_lora(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return self.engine.list_loras()
 
     def chat(
         self,
@@ -75,9 +93,14 @@ class LLM:
     ) -> dict:
         return render_chat(self.engine.tokenizer, conversation, add_generation_prompt, tools)
 
-    def _add_all(self, prompts: list[PromptInput], params: Seq[SamplingParams | BeamSearchParams]) -> list[str]:
+    def _add_all(
+        self,
+        prompts: list[PromptInput],
+        params: Seq[SamplingParams | BeamSearchParams],
+        loras: list[LoRARequest | None],
+    ) -> list[str]:
         request_ids = [str(next(self._ids)) for _ in prompts]
-        self.engine.add_requests(list(zip(request_ids, prompts, params, strict=True)))
+        self.engine.add_requests(list(zip(request_ids, prompts, params, loras, strict=True)))
         return request_ids
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
@@ -115,6 +138,15 @@ def _as_prompt_list(prompts: PromptInput | Seq[PromptInput]) -> list[PromptInput
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]
     return prompts
+
+
+def _per_prompt(lora_request: LoRARequest | Seq[LoRARequest | None] | None, count: int) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    loras = list(lora_request)
+    if len(loras) != count:
+        raise ValueError(f"got {len(loras)} lora_request for {count} prompts")
+    return loras
 
 
 def _params_per_prompt(

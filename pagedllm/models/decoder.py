@@ -30,6 +30,7 @@ from pagedllm.attention import AttentionMetadata, Backend, write_kv
 from pagedllm.distributed import parallel
 from pagedllm.models import fused
 from pagedllm.models.config import FULL, SLIDING, ModelConfig
+from pagedllm.models.lora import LoRABatch, LoRAStack, add_lora
 from pagedllm.models.moe import SparseMoeBlock
 from pagedllm.models.prepack import can_prepack, prepacked
 
@@ -43,6 +44,7 @@ class StepContext:
     metadata: AttentionMetadata
     attention: Backend
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
+    lora: LoRABatch | None = None  # the rows that run under LoRA adapters, by adapter slot
 
 
 class Linear(nn.Module):
@@ -159,6 +161,8 @@ class Attention(nn.Module):
         self.layer_index = layer_index
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.lora_qkv: LoRAStack | None = None  # the adapters' slots, when the engine serves LoRA (lora.py)
+        self.lora_o: LoRAStack | None = None
         self.q_norm = self.k_norm = None
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=config.gemma)
@@ -166,6 +170,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: StepContext) -> torch.Tensor:
         qkv = self.qkv_proj(x)
+        add_lora(qkv, x, self.lora_qkv, ctx.lora)
         k_cache, v_cache = ctx.kv_caches[self.layer_index]
         q = None
         if self.q_norm is None:  # the K/V write rides in the rotary pass where the C kernel can run
@@ -180,8 +185,10 @@ class Attention(nn.Module):
             options["window"] = self.window
         if self.softcap:
             options["softcap"] = self.softcap
-        out = ctx.attention(q, k_cache, v_cache, ctx.metadata, self.scale, **options)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        out = ctx.attention(q, k_cache, v_cache, ctx.metadata, self.scale, **options).reshape(-1, self.q_size)
+        projected = self.o_proj(out)
+        add_lora(projected, out, self.lora_o, ctx.lora)
+        return projected
 
     def _rope(
         self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
@@ -208,9 +215,16 @@ class MLP(nn.Module):
         self.act = config.hidden_act
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.lora_gate_up: LoRAStack | None = None
+        self.lora_down: LoRAStack | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(fused.act_mul(self.gate_up_proj(x), self.act))
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        add_lora(gate_up, x, self.lora_gate_up, lora)
+        hidden = fused.act_mul(gate_up, self.act)
+        out = self.down_proj(hidden)
+        add_lora(out, hidden, self.lora_down, lora)
+        return out
 
 
 def _mlp(config: ModelConfig, layer_index: int) -> nn.Module:
@@ -254,11 +268,15 @@ class DecoderLayer(nn.Module):
         hidden = self.input_layernorm(residual) if x is None else self.input_layernorm(x, residual)
         if not self.sandwich:
             hidden = self.post_attention_layernorm(self.self_attn(hidden, rope, ctx), residual)
-            return self.mlp(hidden)
+            return self._feed_forward(hidden, ctx)
         # Gemma: residual + post_norm(attention), then residual + post_norm(mlp(pre_norm(residual))).
         hidden = self.post_attention_layernorm(self.self_attn(hidden, rope, ctx))
         hidden = self.pre_feedforward_layernorm(hidden, residual)
-        return self.post_feedforward_layernorm(self.mlp(hidden))
+        return self.post_feedforward_layernorm(self._feed_forward(hidden, ctx))
+
+    def _feed_forward(self, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """The MLP, with the step's adapters where it is dense (a mixture of experts takes none)."""
+        return self.mlp(hidden, ctx.lora) if isinstance(self.mlp, MLP) else self.mlp(hidden)
 
 
 class CausalLM(nn.Module):
@@ -293,6 +311,11 @@ class CausalLM(nn.Module):
         for layer in self.layers:
             x = layer(x, residual, ropes[layer.rope_key], ctx)
         return self.norm(x, residual)
+
+    @property
+    def dense_mlp(self) -> list[bool]:
+        """Per layer, whether its MLP is dense (a mixture of experts' is not, and takes no LoRA adapter)."""
+        return [isinstance(layer.mlp, MLP) for layer in self.layers]
 
     def prepack(self) -> None:
         """Prepack every linear weight once, after loading (and sharding): the plain copies go, so this is

@@ -10,6 +10,7 @@ import torch
 
 from pagedllm.attention import AttentionMetadata, get_backend
 from pagedllm.models.decoder import CausalLM, StepContext
+from pagedllm.models.lora import LoRABatch
 from pagedllm.sequence import Sequence
 from pagedllm.step import ScheduledSeq
 
@@ -38,9 +39,19 @@ class FlatBatch:
     # len(drafts) + 1 (the sequence's last token's, then each draft's).
     logits_index: torch.Tensor
     prompt: PromptRows | None  # rows scoring prompt tokens, when some sequence asked for them
+    lora: LoRABatch | None = None  # rows under LoRA adapters, by slot
 
 
-def build_batch(scheduled: list[ScheduledSeq], block_size: int) -> FlatBatch:
+def build_batch(scheduled: list[ScheduledSeq], block_size: int, lora_slots: dict[int, int] | None = None) -> FlatBatch:
+    """The step's flat batch; `lora_slots` maps each scheduled adapter's id to its slot (None: no adapters)."""
+    batch = _flat_batch(scheduled, block_size)
+    if lora_slots:
+        slot_of_seq = [-1 if item.seq.lora is None else lora_slots[item.seq.lora.lora_int_id] for item in scheduled]
+        batch.lora = LoRABatch.build(slot_of_seq, [item.num_new_tokens for item in scheduled])
+    return batch
+
+
+def _flat_batch(scheduled: list[ScheduledSeq], block_size: int) -> FlatBatch:
     ids: list[int] = []
     positions: list[np.ndarray] = []
     slots: list[np.ndarray] = []
@@ -136,7 +147,8 @@ class ModelRunner:
             batch.block_tables, batch.seq_lens, batch.query_start_loc, self.block_size, self.device
         )
         positions, slot_mapping = batch.positions.to(self.device), batch.slot_mapping.to(self.device)
-        ctx = StepContext(positions, slot_mapping, metadata, self.attention, self.kv_caches)
+        lora = None if batch.lora is None else batch.lora.to(self.device)
+        ctx = StepContext(positions, slot_mapping, metadata, self.attention, self.kv_caches, lora)
         return self.model(batch.input_ids.to(self.device), ctx)
 
     @torch.inference_mode()

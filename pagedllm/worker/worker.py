@@ -28,6 +28,7 @@ from pagedllm.sequence import Sequence
 from pagedllm.step import ModelOutput, RowOutput, SampleRow, SchedulerOutput
 from pagedllm.worker.cache_engine import CacheEngine, KVShape
 from pagedllm.worker.draft import DraftModel
+from pagedllm.worker.lora_manager import LoRAManager
 from pagedllm.worker.model_runner import FlatBatch, ModelRunner, PromptRows, build_batch
 from pagedllm.worker.sampler import Sampler, SamplingRow, token_logprobs, top_logprobs
 from pagedllm.worker.threads import ThreadChooser
@@ -39,6 +40,8 @@ FORWARD = "the forward pass"
 SAMPLING = "sampling"
 SCORING_PROMPT = "scoring the prompt"
 PROPOSING = "the draft model's guesses"
+LOADING_ADAPTERS = "loading LoRA adapters"
+PREPARING_AFTER_MOVES = "preparing the batch after the block moves"
 
 
 class StageError(RuntimeError):
@@ -123,8 +126,10 @@ class Worker:
         eos_ids: frozenset[int],
         leads_group: bool = False,
         draft: DraftModel | None = None,
+        lora: LoRAManager | None = None,
     ) -> None:
         self.block_size = shape.block_size
+        self.lora = lora  # the LoRA adapters' slots, when the engine serves them (never in a tensor-parallel group)
         # Rank 0 of a tensor-parallel group: its steps' inputs go to the other ranks. (A process holds one
         # group at most, but may also run single-process engines beside it, which must not send.)
         self.leads_group = leads_group
@@ -140,8 +145,10 @@ class Worker:
         """Rank 0's step: the inputs go to the other ranks first, then every rank runs the same model
         call (their collectives meet), and rank 0 alone samples. A stage that raises raises `StageError`."""
         with stage(PREPARING):
-            # A draft model's guesses are picked after the block moves (they write into the moved blocks).
-            ready = out.scheduled and self.draft is None
+            # A draft model's guesses are picked after the block moves (they write into the moved blocks), and
+            # adapters are written into their slots after them (so one that fails to load fails its requests
+            # alone: the engine runs each request again without the moves).
+            ready = out.scheduled and self.draft is None and self.lora is None
             batch = build_batch(out.scheduled, self.block_size) if ready else None
         inputs = StepInputs(out.swap_out, out.copies, out.swap_in, batch)
         if self.leads_group:
@@ -150,11 +157,17 @@ class Worker:
         with stage(MOVING_BLOCKS):
             self._move_blocks(inputs)
         timer.lap("swap/copy")
+        lora_slots = None
+        if self.lora is not None and out.scheduled:
+            with stage(LOADING_ADAPTERS):
+                lora_slots = self._lora_slots(out)
         if self.draft is not None and out.scheduled:
             with stage(PROPOSING):
                 self.draft.propose(out.scheduled)
-                batch = build_batch(out.scheduled, self.block_size)
             timer.lap("propose")
+        if batch is None and out.scheduled:
+            with stage(PREPARING_AFTER_MOVES):
+                batch = build_batch(out.scheduled, self.block_size, lora_slots)
         if batch is None:
             return ModelOutput()
         with self.threads.step(len(batch.input_ids)):
@@ -170,6 +183,12 @@ class Worker:
                     prompt = [] if batch.prompt is None else self._prompt_logprobs(prompt_hidden, batch.prompt)
             timer.lap("sample")
         return ModelOutput(rows, prompt)
+
+    def _lora_slots(self, out: SchedulerOutput) -> dict[int, int] | None:
+        """The slot of each adapter the step runs, written into a slot first where it is not resident."""
+        if self.lora is None:
+            return None
+        return self.lora.activate([item.seq.lora for item in out.scheduled if item.seq.lora is not None])
 
     def follow(self) -> None:
         """The loop of every rank but 0: carry out rank 0's steps (and answer its `ReportShards`) until it
