@@ -100,13 +100,13 @@ def test_batched_shrink_and_expand_equal_a_row_by_row_product(contiguous):
             a, b = torch.randn(24, rank), torch.randn(rank, size)
             stack.write(slot, part, a, b)
             pairs[(slot, part)] = (a, b)
-    # Base rows; slot 1's group is long enough to be a set of its own; the short groups are slots 3 and 2 (a view
-    # of the stacks) or 0 and 2 (gathered).
+    # Slot 1's group is long enough to be multiplied alone; the other adapters' rows share the products, as one
+    # run of rows (a slice) or scattered among base rows (indices).
     query_lens = [3, 1, ALONE_ROWS + 3, 2, 1, 4]
-    short = 3 if contiguous else 0
-    slot_of_seq = [-1, short, 1, short, -1, 2]
-    batch = LoRABatch.build(slot_of_seq, query_lens)
-    assert len(batch.sets) == 2 and (batch.sets[1].first_slot is not None) == contiguous
+    slot_of_seq = [3, 0, 1, -1, -1, -1] if contiguous else [3, -1, 1, 0, -1, 2]
+    batch = LoRABatch.build(slot_of_seq, query_lens, max_loras=4)
+    assert [group.slot for group in batch.own] == [1] and isinstance(batch.own[0].rows, slice)
+    assert isinstance(batch.shared.rows, slice) == contiguous
     x = torch.randn(sum(query_lens), 24)
     out = torch.randn(len(x), 32)
     expected = out.clone()

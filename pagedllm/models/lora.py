@@ -6,11 +6,12 @@ model holds `max_loras` slots of every adaptable projection (`LoRASlots`: one `L
 projection, every rank padded to `max_lora_rank`), allocated once; an adapter is resident when its pairs
 are written into a slot. The base weights are never touched.
 
-A step's tokens are grouped by slot (`LoRABatch`), and each projection adds to its base output, per set
-of groups, one gather of the groups' rows, one batched product by their A (shrink) and one by each part's
-B (expand), and one indexed add: the Punica / S-LoRA idea, whatever the mix of adapters and base-model
-rows. Small groups (decode tokens) are padded into one set; a large group (a prompt chunk) is a set of its
-own, so no small group is padded to its length.
+A step's tokens are grouped by slot (`LoRABatch`), and each projection adds a low-rank delta to its base
+output, never merging an adapter into the weights nor splitting the step by adapter. Small groups (decode
+tokens, short chunks) share two products per part: their rows by every slot's A side by side (shrink),
+each row's columns of other slots zeroed, then by every slot's B stacked (expand), which sums only the
+row's own pair. A large group (a prompt chunk) is shrunk and expanded by its own slot's pair alone, so its
+rows never pay for the other slots.
 
 Our projections fuse the checkpoint's: `qkv` is q, k, v side by side and `gate_up` is gate, up, so an
 adapter of q_proj writes part 0 of `qkv`; a checkpoint that fuses them itself (Phi3's qkv_proj,
@@ -32,7 +33,7 @@ from pagedllm.models.config import ModelConfig
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-# A group of more rows than this (a prompt chunk) is multiplied on its own rather than padded with others.
+# A group of more rows than this (a prompt chunk) is multiplied by its own pair alone, not by every slot's.
 ALONE_ROWS = 64
 
 # The checkpoint's module in a layer -> our projection and the parts of it the module is.
@@ -176,108 +177,126 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
         raise ValueError(f"{path} is not a readable safetensors file: {error}") from error
 
 
+Rows = slice | torch.Tensor  # rows of the flat batch: a contiguous run, or indices
+
+
+def _take(x: torch.Tensor, rows: Rows) -> torch.Tensor:
+    return x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
+
+
+def _add_to(out: torch.Tensor, rows: Rows, delta: torch.Tensor) -> None:
+    """`out[rows] += delta`, each row once (an indexed copy: a bf16 indexed add is several times slower)."""
+    if isinstance(rows, slice):
+        out[rows] += delta
+    else:
+        out.index_copy_(0, rows, out.index_select(0, rows).add_(delta))
+
+
+def _rows(indices: np.ndarray) -> Rows:
+    if len(indices) == indices[-1] - indices[0] + 1:
+        return slice(int(indices[0]), int(indices[-1]) + 1)
+    return torch.from_numpy(indices)
+
+
 @dataclass(slots=True)
-class RowSet:
-    """Groups of the step's rows multiplied together: group g is slot `slots[g]`'s rows `gather[g]`, padded
-    (with its first row) to the longest; `picks` selects the real entries of the flattened product (None:
-    all are), which `targets` says the rows of."""
+class SharedRows:
+    """Rows of several adapters multiplied together: by every slot's A at once, each row's products of other
+    slots then zeroed (`mine`, `[rows, 1, max_loras, 1]`), and by every slot's B at once, so the step pays one
+    product per part whatever its mix of adapters (a rank-R pair per slot costs little beside the base)."""
 
-    slots: torch.Tensor  # [G]
-    first_slot: int | None  # the slots are first_slot .. first_slot + G - 1: a view of the stacks, no copy
-    gather: torch.Tensor  # [G * N]
-    picks: torch.Tensor | None
-    targets: torch.Tensor
+    rows: Rows
+    mine: torch.Tensor
 
-    @property
-    def num_groups(self) -> int:
-        return len(self.slots)
 
-    def to(self, device: torch.device) -> RowSet:
-        picks = None if self.picks is None else self.picks.to(device)
-        return RowSet(self.slots.to(device), self.first_slot, self.gather.to(device), picks, self.targets.to(device))
+@dataclass(slots=True)
+class OwnRows:
+    """A large group (a prompt chunk): multiplied by its own slot's pair alone."""
 
-    def take(self, stack: torch.Tensor) -> torch.Tensor:
-        """This set's slots of a stacked tensor `[max_loras, ...]`."""
-        if self.first_slot is not None:
-            return stack[self.first_slot : self.first_slot + self.num_groups]
-        return stack.index_select(0, self.slots)
+    slot: int
+    rows: Rows
 
 
 @dataclass(slots=True)
 class LoRABatch:
     """A step's rows that run under an adapter, by slot; the other rows are the base model's alone."""
 
-    sets: list[RowSet]
+    shared: SharedRows | None
+    own: list[OwnRows]
 
     @staticmethod
-    def build(slot_of_seq: list[int], query_lens: list[int]) -> LoRABatch | None:
+    def build(slot_of_seq: list[int], query_lens: list[int], max_loras: int) -> LoRABatch | None:
         """`slot_of_seq[i]` is scheduled sequence i's slot (-1: the base model), `query_lens[i]` its rows."""
         starts = np.concatenate(([0], np.cumsum(query_lens)))
-        rows: dict[int, list[np.ndarray]] = {}
+        total = int(starts[-1])
+        per_slot: dict[int, list[int]] = {}
         for i, slot in enumerate(slot_of_seq):
             if slot >= 0:
-                rows.setdefault(slot, []).append(np.arange(starts[i], starts[i + 1]))
-        if not rows:
+                per_slot.setdefault(slot, []).extend(range(starts[i], starts[i + 1]))
+        if not per_slot:
             return None
-        groups = sorted((slot, np.concatenate(parts)) for slot, parts in rows.items())
-        alone = [[group] for group in groups if len(group[1]) > ALONE_ROWS]
-        padded = [group for group in groups if len(group[1]) <= ALONE_ROWS]
-        return LoRABatch([_row_set(part) for part in alone + ([padded] if padded else [])])
+        own = [OwnRows(slot, _rows(np.array(rows))) for slot, rows in per_slot.items() if len(rows) > ALONE_ROWS]
+        small = {slot: rows for slot, rows in per_slot.items() if len(rows) <= ALONE_ROWS}
+        shared = None
+        if small:
+            rows = np.array(sorted(row for group in small.values() for row in group))
+            slot_of_row = np.full(total, -1)
+            for slot, group in small.items():
+                slot_of_row[group] = slot
+            mine = torch.from_numpy(slot_of_row[rows][:, None] == np.arange(max_loras)[None, :])
+            shared = SharedRows(_rows(rows), mine.view(len(rows), 1, max_loras, 1))
+        return LoRABatch(shared, own)
 
     def to(self, device: torch.device) -> LoRABatch:
         if device.type == "cpu":
             return self
-        return LoRABatch([rows.to(device) for rows in self.sets])
 
+        def moved(rows: Rows) -> Rows:
+            return rows if isinstance(rows, slice) else rows.to(device)
 
-def _row_set(groups: list[tuple[int, np.ndarray]]) -> RowSet:
-    width = max(len(rows) for _, rows in groups)
-    gather = np.stack([np.pad(rows, (0, width - len(rows)), mode="edge") for _, rows in groups])
-    valid = np.stack([np.arange(width) < len(rows) for _, rows in groups]).reshape(-1)
-    slots = [slot for slot, _ in groups]
-    contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
-    return RowSet(
-        slots=torch.tensor(slots),
-        first_slot=slots[0] if contiguous else None,
-        gather=torch.from_numpy(gather.reshape(-1)),
-        picks=None if valid.all() else torch.from_numpy(np.flatnonzero(valid)),
-        targets=torch.from_numpy(gather.reshape(-1)[valid]),
-    )
+        shared = self.shared
+        if shared is not None:
+            shared = SharedRows(moved(shared.rows), shared.mine.to(device))
+        return LoRABatch(shared, [OwnRows(group.slot, moved(group.rows)) for group in self.own])
 
 
 class LoRAStack:
-    """One projection's slots: the parts' A side by side (`a`: `[max_loras, in, parts * R]`) and each
-    part's B (`b[i]`: `[max_loras, R, out_i]`); a rank below R and a part the adapter leaves alone are zeros."""
+    """One projection's slots. A is `[in, parts, max_loras, R]`, so that one part's columns of every slot sit
+    side by side; each part's B is `[max_loras, R, out_i]`, every slot's rows one after another. A rank below
+    R and a part the adapter leaves alone are zeros."""
 
     def __init__(self, shape: Projection, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device):
-        self.rank = max_rank
-        parts = len(shape.part_sizes)
-        self.a = torch.zeros(max_loras, shape.in_features, parts * max_rank, dtype=dtype, device=device)
+        self.rank, self.max_loras = max_rank, max_loras
+        self.num_parts = len(shape.part_sizes)
+        self.a = torch.zeros(shape.in_features, self.num_parts, max_loras, max_rank, dtype=dtype, device=device)
         self.b = [torch.zeros(max_loras, max_rank, size, dtype=dtype, device=device) for size in shape.part_sizes]
 
     @property
     def bytes_per_slot(self) -> int:
-        return sum(t[0].nbytes for t in (self.a, *self.b))
+        return (self.a.nbytes + sum(b.nbytes for b in self.b)) // self.max_loras
 
     def clear(self, slot: int) -> None:
-        self.a[slot].zero_()
+        self.a[:, :, slot].zero_()
         for b in self.b:
             b[slot].zero_()
 
     def write(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
         rank = a.shape[1]
-        self.a[slot, :, part * self.rank : part * self.rank + rank] = a
+        self.a[:, part, slot, :rank] = a
         self.b[part][slot, :rank] = b
 
     def add(self, out: torch.Tensor, x: torch.Tensor, batch: LoRABatch) -> None:
         """`out += B(A x)` for each row of `batch`, with its own slot's pair."""
-        for rows in batch.sets:
-            shrunk = torch.bmm(x.index_select(0, rows.gather).view(rows.num_groups, -1, x.shape[1]), rows.take(self.a))
-            parts = [
-                torch.bmm(shrunk[..., i * self.rank : (i + 1) * self.rank], rows.take(b)) for i, b in enumerate(self.b)
-            ]
-            delta = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).view(-1, out.shape[1])
-            out.index_add_(0, rows.targets, delta if rows.picks is None else delta.index_select(0, rows.picks))
+        if batch.shared is not None:
+            shared = batch.shared
+            shrunk = _take(x, shared.rows) @ self.a.view(x.shape[1], -1)  # [rows, parts * max_loras * R]
+            shrunk = shrunk.view(-1, self.num_parts, self.max_loras, self.rank).mul_(shared.mine)
+            width = self.max_loras * self.rank
+            parts = [shrunk[:, i].reshape(-1, width) @ b.view(width, -1) for i, b in enumerate(self.b)]
+            _add_to(out, shared.rows, parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1))
+        for group in batch.own:
+            xs = _take(x, group.rows)
+            parts = [(xs @ self.a[:, i, group.slot]) @ b[group.slot] for i, b in enumerate(self.b)]
+            _add_to(out, group.rows, parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1))
 
 
 def add_lora(out: torch.Tensor, x: torch.Tensor, stack: LoRAStack | None, batch: LoRABatch | None) -> None:
@@ -294,7 +313,7 @@ class LoRASlots:
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.dense_mlp: list[bool] = model.dense_mlp
-        device = model.embed_tokens.weight.device
+        device = model.norm.weight.device  # (the embedding and projections may be quantized or prepacked)
         self.stacks: dict[tuple[int, str], LoRAStack] = {}
         for index, layer in enumerate(model.layers):
             for name, shape in projections(model.config, index, self.dense_mlp[index]).items():

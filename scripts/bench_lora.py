@@ -1,0 +1,119 @@
+"""Multi-LoRA serving cost (issue 29): the same offline load with and without adapters, run in turn.
+
+Random PEFT adapters (rank --rank on every linear projection) are made once for the model in --cache; a
+load of --num-prompts greedy requests (`ignore_eos`) then runs on one engine, alternately on the base model
+and spread round-robin over --num-adapters adapters, --rounds times each. Printed: output tok/s of both and
+their ratio per round, each slot's and each adapter's bytes, an adapter's load time and the first request's
+latency on a cold adapter against a resident one.
+
+    python scripts/bench_lora.py                # the embedded default model, 64 requests over 8 adapters
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from pagedllm import LLM, LoRARequest, SamplingParams
+from pagedllm.models.loader import resolve_model_folder
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_adapters(base: Path, cache: Path, count: int, rank: int) -> list[Path]:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    folders = [cache / f"rank{rank}-{i}" for i in range(count)]
+    for seed, folder in enumerate(folders):
+        if (folder / "adapter_model.safetensors").is_file():
+            continue
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        # Small random B (PEFT's default is zero): the adapters change the outputs a little, as trained ones do.
+        config = LoraConfig(r=rank, lora_alpha=rank, target_modules=TARGETS, init_lora_weights="gaussian")
+        peft = get_peft_model(model, config)
+        with torch.no_grad():
+            for name, param in peft.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0.0, 0.01)
+        peft.save_pretrained(folder)
+    return folders
+
+
+def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, loras: list[LoRARequest | None]) -> float:
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    seconds = time.perf_counter() - started
+    return sum(len(o.outputs[0].token_ids) for o in outputs) / seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="HF folder or .gguf (default: the embedded model)")
+    parser.add_argument("--cache", type=Path, default=Path("/tmp/pagedllm-bench-lora"))
+    parser.add_argument("--num-adapters", type=int, default=8)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=192)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+
+    base = resolve_model_folder(args.model)
+    adapters = make_adapters(base, args.cache, args.num_adapters, args.rank)
+    llm = LLM(args.model, enable_lora=True, max_loras=args.num_adapters, max_lora_rank=args.rank)
+    rng = random.Random(0)
+    vocab = llm.engine.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.num_prompts)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    requests = [LoRARequest(f"a{i}", i + 1, str(folder)) for i, folder in enumerate(adapters)]
+    spread = [requests[i % len(requests)] for i in range(len(prompts))]
+    base_loras: list[LoRARequest | None] = [None] * len(prompts)
+
+    cold, warm = first_request_latency(llm, requests[0], prompts[0])
+    print(f"device: {torch.get_num_threads()} threads, dtype {llm.engine.config.torch_dtype}")
+    print(
+        f"adapter load (disk, checked, into CPU memory) + first request on it: {cold * 1e3:.0f} ms; "
+        f"the same request on the resident adapter: {warm * 1e3:.0f} ms"
+    )
+    run(llm, prompts[:8], params, spread[:8])  # warm both paths
+    run(llm, prompts[:8], params, base_loras[:8])
+    ratios = []
+    for round_ in range(args.rounds):
+        plain = run(llm, prompts, params, base_loras)
+        adapted = run(llm, prompts, params, spread)
+        ratios.append(adapted / plain)
+        print(
+            f"round {round_ + 1}: base {plain:.1f} out tok/s, {len(requests)} adapters {adapted:.1f} out tok/s, "
+            f"ratio {adapted / plain:.3f}"
+        )
+    print(f"mean ratio {statistics.mean(ratios):.3f}")
+    manager = llm.engine.worker.lora
+    adapter_bytes = manager.load(requests[0]).nbytes
+    print(
+        f"bytes per slot (rank {args.rank}, in {llm.engine.config.torch_dtype}): {manager.slots.bytes_per_slot:,}; "
+        f"an adapter in CPU memory (float32): {adapter_bytes:,}"
+    )
+
+
+def first_request_latency(llm: LLM, lora: LoRARequest, prompt: list[int]) -> tuple[float, float]:
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    llm.generate([prompt], params, use_tqdm=False)  # the engine's first step out of the way
+    llm.reset_prefix_cache()
+    started = time.perf_counter()
+    llm.generate([prompt], params, use_tqdm=False, lora_request=lora)
+    cold = time.perf_counter() - started
+    llm.reset_prefix_cache()
+    started = time.perf_counter()
+    llm.generate([prompt], params, use_tqdm=False, lora_request=lora)
+    return cold, time.perf_counter() - started
+
+
+if __name__ == "__main__":
+    main()
