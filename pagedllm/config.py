@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 from dataclasses import MISSING, Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_args, get_type_hints
@@ -67,6 +68,21 @@ class DTypes(Domain):
 
     def flag_kwargs(self) -> dict[str, Any]:
         return {"type": ArgType(self), "metavar": "{auto," + ",".join(_DTYPES) + "}"}
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAModules(Domain):
+    """vLLM's `--lora-modules` item: `name=path`, the name one a request's `model` field can give (no `=`, no
+    surrounding whitespace) and the path an existing folder (the adapter's files are checked at start)."""
+
+    def describe(self) -> str:
+        return "name=path, a non-empty name without '=' or surrounding whitespace and an existing folder"
+
+    def admits(self, value: object) -> bool:
+        if not isinstance(value, str) or "=" not in value:
+            return False
+        name, path = value.split("=", 1)
+        return Texts().admits(name) and path != "" and os.path.isdir(Path(path).expanduser())
 
 
 def option(default: object, help: str, *, domain: Domain, flag: str | None = None) -> Any:
@@ -264,9 +280,23 @@ class ServeOptions:
     max_prompts: int = option(
         2048, "most prompts in one completions request (each becomes a request)", domain=POSITIVE_INTS
     )
+    lora_modules: tuple[str, ...] = option(
+        (),
+        "LoRA adapters served from the start, each name=path (a PEFT folder); a request's model field names one "
+        "(needs --enable-lora)",
+        domain=Tuples(LoRAModules()),
+    )
 
     def __post_init__(self) -> None:
         check_options(self)
+        names = [name for name, _ in self.lora_module_paths()]
+        duplicate = next((name for name in names if names.count(name) > 1), None)
+        if duplicate is not None:
+            raise ValueError(f"lora_modules names the adapter {duplicate!r} more than once")
+
+    def lora_module_paths(self) -> list[tuple[str, str]]:
+        """`lora_modules` as (name, path) pairs."""
+        return [(module.split("=", 1)[0], module.split("=", 1)[1]) for module in self.lora_modules]
 
     def model_names(self, model: str | Path | None) -> tuple[str, ...]:
         return self.served_model_names or (str(model) if model is not None else DEFAULT_SERVED_NAME,)

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from pagedllm import LLM
 from pagedllm.cli import SamplingFlags, make_parser
-from pagedllm.config import DTypes, EngineConfig, ServeOptions, check_option, domain_of
+from pagedllm.config import DTypes, EngineConfig, LoRAModules, ServeOptions, check_option, domain_of
 from pagedllm.domains import (
     ArgType,
     Booleans,
@@ -109,6 +109,11 @@ def bad_texts(domain: Domain) -> st.SearchStrategy[str]:
         case JsonObjects(keys=keys):
             unknown = st.text(min_size=1).filter(lambda key: key not in keys).map(lambda key: json.dumps({key: 1}))
             return unknown | LETTERS | st.sampled_from(["", "[]", "1", "null", '"ngram"', "{", "{'method': 1}"])
+        case LoRAModules():
+            # No '=', an empty or padded name, an empty path, a path that is no folder.
+            missing = LETTERS.map(lambda name: f"{name}={HERE.parent / name}")
+            folder = HERE.parent
+            return LETTERS | missing | st.sampled_from([f"={folder}", f" a={folder}", "a=", f"a={HERE}"])
     raise AssertionError(f"no cases for {domain!r}: add its kind here")
 
 
@@ -165,6 +170,8 @@ def good_texts(domain: Domain) -> list[str]:
             return list(DTYPE_NAMES)
         case JsonObjects():  # the one such option: speculative_config, whose reader checks the values
             return ['{"method": "ngram", "num_speculative_tokens": 1}', json.dumps(SPECULATIVE_EDGE)]
+        case LoRAModules():
+            return [f"a={HERE.parent}", f"a b={HERE.parent.parent}"]
     raise AssertionError(f"no cases for {domain!r}: add its kind here")
 
 

@@ -356,6 +356,8 @@ def assert_refused(response: httpx.Response, param: str | None, words: str) -> N
             "logprobs",
         ),
         ("/detokenize", {"tokens": [10**9]}, "tokens", "outside the vocabulary"),
+        ("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/"}, "lora_name", "--enable-lora"),
+        ("/v1/load_lora_adapter", {"lora_name": "a"}, "lora_path", "required"),
     ],
 )
 def test_bad_input_is_a_400_naming_the_field(server, path, body, param, words):

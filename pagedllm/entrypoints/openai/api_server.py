@@ -1,7 +1,8 @@
 """`pagedllm serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over `AsyncLLMEngine`.
 
 `/v1/completions` and `/v1/chat/completions` (server-sent events when `stream` is true; their own modules),
-`/v1/models`, `/tokenize`, `/detokenize`, `/health` and `/metrics`. Every error has OpenAI's shape,
+`/v1/models` (base names and LoRA adapters), `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` (with
+`--enable-lora`), `/tokenize`, `/detokenize`, `/health` and `/metrics`. Every error has OpenAI's shape,
 `{"error": {"message", "type", "param", "code"}}`, with `param` naming the offending field.
 """
 
@@ -30,11 +31,17 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pagedllm.config import ServeOptions
 from pagedllm.entrypoints.llm import render_chat
 from pagedllm.entrypoints.openai import protocol
-from pagedllm.entrypoints.openai.async_engine import AsyncLLMEngine
+from pagedllm.entrypoints.openai.async_engine import AsyncLLMEngine, EngineStoppedError
 from pagedllm.entrypoints.openai.kv_page import mount_kv_page
 from pagedllm.entrypoints.openai.metrics import METRICS_CONTENT_TYPE, ServerMetrics
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
-from pagedllm.entrypoints.openai.serving_common import ApiError, OpenAIServing, RenderChat, ServingLimits
+from pagedllm.entrypoints.openai.serving_common import (
+    ApiError,
+    LoRARegistry,
+    OpenAIServing,
+    RenderChat,
+    ServingLimits,
+)
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 
 _GENERATING_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
@@ -46,8 +53,15 @@ def serve(engine_options: dict[str, Any], options: ServeOptions) -> int:
     finish or abort in-flight requests and return 0. If the engine cannot continue (a tensor-parallel rank
     died, or the core process did), fail its requests, stop, and return 1."""
     options = replace(options, served_model_names=options.model_names(engine_options.get("model")))
-    engine = AsyncLLMEngine(engine_options, ServerMetrics(), options.max_waiting_requests)
-    app = build_app(engine, partial(render_chat, engine.tokenizer), options)
+    loras = LoRARegistry(bool(engine_options.get("enable_lora")), options.served_model_names)
+    try:
+        modules = [loras.new(name, path) for name, path in options.lora_module_paths()]
+    except ApiError as error:
+        raise ValueError(f"--lora-modules: {error}") from error
+    engine = AsyncLLMEngine(engine_options, ServerMetrics(), options.max_waiting_requests, modules)
+    for module in modules:
+        loras.add(module)
+    app = build_app(engine, partial(render_chat, engine.tokenizer), options, loras)
     mount_kv_page(app, engine.kv_monitor)  # after build_app: its query-key middleware runs before the key check
     config = uvicorn.Config(
         app,
@@ -95,7 +109,9 @@ class _Server(uvicorn.Server):
             print(self._banner, file=sys.stderr, flush=True)
 
 
-def build_app(engine: AsyncLLMEngine, render_chat: RenderChat, options: ServeOptions) -> FastAPI:
+def build_app(
+    engine: AsyncLLMEngine, render_chat: RenderChat, options: ServeOptions, loras: LoRARegistry | None = None
+) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()  # the core is running already: the loop starts taking its messages
@@ -104,13 +120,16 @@ def build_app(engine: AsyncLLMEngine, render_chat: RenderChat, options: ServeOpt
 
     names = options.served_model_names
     limits = ServingLimits.from_options(options)
-    completion = OpenAIServingCompletion(engine, render_chat, names, limits=limits)
-    chat = OpenAIServingChat(engine, render_chat, names, options.tool_call_parser, limits=limits)
-    info = _ServingInfo(engine, render_chat, names)
+    loras = loras or LoRARegistry(base_names=names)
+    completion = OpenAIServingCompletion(engine, render_chat, names, limits=limits, loras=loras)
+    chat = OpenAIServingChat(engine, render_chat, names, options.tool_call_parser, limits=limits, loras=loras)
+    info = _ServingInfo(engine, render_chat, names, loras=loras)
     app = FastAPI(title="pagedllm", lifespan=lifespan)
     app.post("/v1/completions")(completion.create)
     app.post("/v1/chat/completions")(chat.create)
     app.get("/v1/models")(info.models)
+    app.post("/v1/load_lora_adapter", response_class=PlainTextResponse)(info.load_lora_adapter)
+    app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)(info.unload_lora_adapter)
     app.post("/tokenize")(info.tokenize)
     app.post("/detokenize")(info.detokenize)
     # Answers declared with their shapes, so that the OpenAPI schema (and Schemathesis, fuzzing from it) knows them.
@@ -131,12 +150,46 @@ def build_app(engine: AsyncLLMEngine, render_chat: RenderChat, options: ServeOpt
 
 
 class _ServingInfo(OpenAIServing):
-    """The endpoints that generate nothing: the models, the tokenizer, health and metrics."""
+    """The endpoints that generate nothing: the models and their LoRA adapters, the tokenizer, health and
+    metrics."""
 
     async def models(self) -> protocol.ModelList:
         created, max_model_len = int(time.time()), self.engine.max_model_len
         cards = [protocol.ModelCard(id=name, created=created, max_model_len=max_model_len) for name in self.names]
+        cards += [
+            protocol.ModelCard(
+                id=lora.lora_name,
+                created=created,
+                max_model_len=max_model_len,
+                root=lora.lora_path,
+                parent=self.names[0],
+            )
+            for lora in self.loras.adapters()
+        ]
         return protocol.ModelList(data=cards)
+
+    async def load_lora_adapter(self, body: protocol.LoadLoRAAdapterRequest) -> str:
+        """vLLM's: the core reads the adapter and checks it against the model before its name is served; a bad
+        folder, a rank over --max-lora-rank or a weight of the wrong shape is a 400 naming lora_path."""
+        lora = self.loras.new(body.lora_name, body.lora_path)
+        try:
+            await self.engine.add_lora(lora)
+        except ValueError as error:
+            raise ApiError(400, str(error), param="lora_path") from error
+        except EngineStoppedError as error:
+            raise ApiError(503, str(error), kind="server_error") from error
+        try:
+            self.loras.add(lora)
+        except ApiError:
+            self.engine.remove_lora(lora.lora_int_id)  # another load took the name while this one was read
+            raise
+        return f"Success: LoRA adapter '{lora.lora_name}' added successfully."
+
+    async def unload_lora_adapter(self, body: protocol.UnloadLoRAAdapterRequest) -> str:
+        """vLLM's: the name stops being served at once; requests already running under it finish first."""
+        lora = self.loras.remove(body.lora_name)
+        self.engine.remove_lora(lora.lora_int_id)
+        return f"Success: LoRA adapter '{lora.lora_name}' removed successfully."
 
     async def tokenize(self, body: protocol.TokenizeRequest) -> protocol.TokenizeResponse:
         self._model(body.model)

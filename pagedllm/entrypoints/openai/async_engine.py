@@ -17,7 +17,7 @@ import multiprocessing
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -32,8 +32,10 @@ from pagedllm.entrypoints.openai.engine_core import (
     Compile,
     Compiled,
     Fatal,
+    LoadLoRA,
     Ready,
     Refusal,
+    RemoveLoRA,
     Stats,
     StatsRequest,
     StepDeltas,
@@ -43,6 +45,7 @@ from pagedllm.entrypoints.openai.engine_core import (
 )
 from pagedllm.entrypoints.openai.kv_page import KVMonitor, KVUpdate
 from pagedllm.entrypoints.openai.metrics import RequestTiming, ServerMetrics
+from pagedllm.lora_request import LoRARequest
 from pagedllm.output_processor import OutputProcessor
 from pagedllm.outputs import CompletionOutput, RequestDelta, RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -126,10 +129,17 @@ class EngineStartError(RuntimeError):
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine_options: dict[str, Any], metrics: ServerMetrics, max_waiting: int) -> None:
-        """Start the engine core and wait until it is ready. Raises what building the engine raises
-        (ValueError for bad options, FileNotFoundError for a missing model), or EngineStartError.
-        `max_waiting`: requests waiting for their first token at which the server is `overloaded`."""
+    def __init__(
+        self,
+        engine_options: dict[str, Any],
+        metrics: ServerMetrics,
+        max_waiting: int,
+        loras: Sequence[LoRARequest] = (),
+    ) -> None:
+        """Start the engine core and wait until it is ready, with `loras` loaded. Raises what building the
+        engine or loading an adapter raises (ValueError for bad options or a bad adapter, FileNotFoundError for a
+        missing model), or EngineStartError. `max_waiting`: requests waiting for their first token at which the
+        server is `overloaded`."""
         self.metrics = metrics
         self.max_waiting = max_waiting
         self.num_waiting = 0  # requests accepted here whose first token has not arrived
@@ -153,7 +163,7 @@ class AsyncLLMEngine:
         self._conn, child_conn = context.Pipe()
         self._process = context.Process(
             target=run_engine_core,
-            args=(child_conn, engine_options, logging.getLogger().getEffectiveLevel()),
+            args=(child_conn, engine_options, list(loras), logging.getLogger().getEffectiveLevel()),
             name="pagedllm-engine-core",
             daemon=True,
         )
@@ -207,9 +217,12 @@ class AsyncLLMEngine:
             key = next(self._keys)
             self._raise(await self._ask(key, Compile(key, params)))
 
-    async def add_requests(self, prompts: list[PromptInput], params: EngineParams) -> RequestGroup:
-        """Queue one request per prompt, all or none. Raises what `LLMEngine.add_request` raises (ValueError for
-        a request that could never run), or EngineStoppedError while shutting down."""
+    async def add_requests(
+        self, prompts: list[PromptInput], params: EngineParams, lora_request: LoRARequest | None = None
+    ) -> RequestGroup:
+        """Queue one request per prompt (under `lora_request`'s adapter, if given), all or none. Raises what
+        `LLMEngine.add_request` raises (ValueError for a request that could never run), or EngineStoppedError
+        while shutting down."""
         if not (self._accepting and self.is_running):
             raise EngineStoppedError("the server is shutting down and takes no new requests")
         tokenized = [tokenize_prompt(self.tokenizer, prompt) for prompt in prompts]
@@ -222,7 +235,7 @@ class AsyncLLMEngine:
         self.num_waiting += len(prompts)
         key = next(self._keys)
         try:
-            refusal = await self._ask(key, AddRequests(key, group.request_ids, prompts, params))
+            refusal = await self._ask(key, AddRequests(key, group.request_ids, prompts, params, lora_request))
         except asyncio.CancelledError:
             group.abort()  # the add may still land: this abort follows it down the pipe
             raise
@@ -233,6 +246,19 @@ class AsyncLLMEngine:
                     self.num_waiting -= 1
             self._raise(refusal)
         return group
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Have the core read the adapter and check it against the model (ValueError naming what is wrong), so
+        that a name is served only once its weights load."""
+        if not (self._accepting and self.is_running):
+            raise EngineStoppedError("the server is shutting down and takes no new adapters")
+        key = next(self._keys)
+        self._raise(await self._ask(key, LoadLoRA(key, lora_request)))
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Tell the core to forget an adapter: requests already sent under it (the pipe keeps their order) finish
+        first; no answer is awaited, since the server's registry has dropped the name already."""
+        self._send(RemoveLoRA(lora_int_id))
 
     async def refresh_stats(self) -> None:
         """Bring the engine gauges up to date: the core answers after the commands sent before this one (an

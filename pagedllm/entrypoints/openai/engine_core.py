@@ -6,14 +6,17 @@ for the thread the event loop preempted. In a process of its own the engine owns
 and the HTTP side costs it only the messages below, pickled over one pipe (as vLLM v1's engine core does
 over a socket).
 
-The server's process sends `AddRequests`, `Compile`, `Abort`, `StopSequences` (what stop strings ended, found
-by the server's output processor), `StatsRequest`, `KVWatch` and `Stop`; the core answers with `Ready` once,
-then `Added` and `Compiled` (a refusal carries its message), `StepDeltas` after every step that changed a
-request (only the new token ids, log-probabilities where asked, and the core's own stops: never text, never
-a whole output, so a step's message does not grow with the sequences' lengths), `Stats` (throttled while
-busy, always when it falls idle or after an abort, and in answer to a `StatsRequest`), `KVUpdate` (snapshots
-and KV events for the /kv page, see `kv_page.KVPublisher`) and `Fatal` when the engine cannot go on. The core
-exits when told to stop, when the engine dies, or when its pipe closes (the server's process is gone).
+The server's process sends `AddRequests` (one call's requests, under one LoRA adapter or none), `LoadLoRA`
+(an adapter read and checked against the model before the server serves its name), `RemoveLoRA` (an adapter
+unloaded: forgotten once no request runs under it), `Compile`, `Abort`, `StopSequences` (what stop
+strings ended, found by the server's output processor), `StatsRequest`, `KVWatch` and `Stop`; the core
+answers with `Ready` once, then `Added` and `Compiled` (a refusal carries its message), `StepDeltas` after
+every step that changed a request (only the new token ids, log-probabilities where asked, and the core's own
+stops: never text, never a whole output, so a step's message does not grow with the sequences' lengths),
+`Stats` (throttled while busy, always when it falls idle or after an abort, and in answer to a
+`StatsRequest`), `KVUpdate` (snapshots and KV events for the /kv page, see `kv_page.KVPublisher`) and
+`Fatal` when the engine cannot go on. The core exits when told to stop, when the engine dies, or when its
+pipe closes (the server's process is gone).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -31,6 +35,7 @@ from pagedllm.beam_search import BeamSearchParams
 from pagedllm.config import EngineConfig
 from pagedllm.engine import CoreStep, EngineDeadError, LLMEngine, PromptInput
 from pagedllm.entrypoints.openai.kv_page import KVPublisher, KVWatch
+from pagedllm.lora_request import LoRARequest
 from pagedllm.output_processor import StringStop
 from pagedllm.outputs import EngineStats, RequestDelta
 from pagedllm.sampling_params import SamplingParams
@@ -51,6 +56,18 @@ class AddRequests:
     request_ids: list[str]
     prompts: list[PromptInput]
     params: EngineParams
+    lora_request: LoRARequest | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LoadLoRA:
+    key: int  # echoed in the `Added` answer
+    lora_request: LoRARequest
+
+
+@dataclass(frozen=True, slots=True)
+class RemoveLoRA:
+    lora_int_id: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,8 +160,9 @@ class Fatal:
 # ---- the core process ----------------------------------------------------------------------------
 
 
-def run_engine_core(conn: Connection, engine_options: dict[str, Any], log_level: int) -> None:
-    """The core process's entry: build the engine, say `Ready`, serve until stopped."""
+def run_engine_core(conn: Connection, engine_options: dict[str, Any], loras: list[LoRARequest], log_level: int) -> None:
+    """The core process's entry: build the engine, load `loras` (the server's `--lora-modules`), say `Ready`,
+    serve until stopped."""
     # Ctrl-C, and SIGTERM from a supervisor that signals the whole group (systemd does), reach this process too;
     # the server's process decides how in-flight requests end, and stops the core (or its pipe closes).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -153,6 +171,8 @@ def run_engine_core(conn: Connection, engine_options: dict[str, Any], log_level:
     started = time.perf_counter()
     try:
         engine = LLMEngine(EngineConfig(**engine_options), process_outputs=False)
+        for lora in loras:
+            engine.add_lora(lora)
     except Exception as error:
         conn.send(Fatal(Refusal.of(error)))
         return
@@ -214,6 +234,11 @@ class EngineCore:
                 self._stats_published = 0.0  # gauges right after an abort are exact
             case StopSequences(stops):
                 self._engine.stop_sequences(stops)
+            case LoadLoRA(key, lora_request):
+                self.send(Added(key, _attempt(self._engine.add_lora, lora_request)))
+            case RemoveLoRA(lora_int_id):
+                # Unknown here when no request ever loaded it: nothing to forget, the server's registry is the list.
+                self._engine.remove_lora(lora_int_id)
             case Compile(key, params):
                 self._compiler.submit(self._engine.compile_constraint, params).add_done_callback(
                     lambda done, key=key: self.send(Compiled(key, _refusal(done)))
@@ -228,13 +253,9 @@ class EngineCore:
                 raise TypeError(f"the engine core got an unknown message: {message!r}")
 
     def _add(self, message: AddRequests) -> None:
-        requests = list(zip(message.request_ids, message.prompts, [message.params] * len(message.prompts), strict=True))
-        try:
-            self._engine.add_requests(requests)
-        except Exception as error:
-            self.send(Added(message.key, Refusal.of(error)))
-            return
-        self.send(Added(message.key, None))
+        pairs = zip(message.request_ids, message.prompts, strict=True)
+        requests = [(request_id, prompt, message.params, message.lora_request) for request_id, prompt in pairs]
+        self.send(Added(message.key, _attempt(self._engine.add_requests, requests)))
 
     def _publish_stats(self, force: bool) -> None:
         """At most every _STATS_INTERVAL_S while busy (stats() walks every block table), and always before
@@ -272,6 +293,15 @@ class EngineCore:
             if any(seq.status is SequenceStatus.RUNNING for seq in group.seqs)
         ]
         return running or list(requests)
+
+
+def _attempt(call: Callable[[Any], object], argument: Any) -> Refusal | None:
+    """Run one command of the server's; what it raises is the refusal the server's process re-raises."""
+    try:
+        call(argument)
+    except Exception as error:
+        return Refusal.of(error)
+    return None
 
 
 def _refusal(done: Future[None]) -> Refusal | None:

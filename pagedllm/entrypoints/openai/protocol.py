@@ -531,11 +531,27 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "pagedllm"
     max_model_len: int
+    root: str | None = None  # vLLM's: an adapter's folder
+    parent: str | None = None  # vLLM's: the base model an adapter runs on; null for a base model
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class LoadLoRAAdapterRequest(_Strict):
+    """vLLM's `/v1/load_lora_adapter` body."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(_Strict):
+    """vLLM's `/v1/unload_lora_adapter` body; its optional `lora_int_id` is accepted and ignored (the name decides)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
 
 
 class TokenizeResponse(BaseModel):

@@ -44,7 +44,9 @@ class OpenAIServingChat(common.OpenAIServing):
             params = common.sampling_params(
                 body, constraint, max_tokens=max_tokens, logprobs=top_logprobs, prompt_logprobs=body.prompt_logprobs
             )
-        group = await self._add([prompt], body.cache_salt, params, param="messages", constraint=constraint)
+        group = await self._add(
+            [prompt], body.cache_salt, params, param="messages", constraint=constraint, lora_request=call.lora_request
+        )
         shape = _ChatShape(call, top_logprobs, tools.parser)
         if body.stream:
             chunks = _chat_chunks(shape, group, body.n, common.holdback(params), body.include_usage)

@@ -1,10 +1,12 @@
-"""What the endpoints share: errors in OpenAI's shape, the model check, the server's limits on a request, the
-chat template, sampling (or beam search) parameters and constraints from a request, adding requests to the
-engine, and their outputs as one response or as a stream of server-sent events."""
+"""What the endpoints share: errors in OpenAI's shape, the model check (a base model's served name or a LoRA
+adapter's, `LoRARegistry`), the server's limits on a request, the chat template, sampling (or beam search)
+parameters and constraints from a request, adding requests to the engine, and their outputs as one response or
+as a stream of server-sent events."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -26,6 +28,7 @@ from pagedllm.entrypoints.openai.async_engine import (
     RequestFailedError,
     RequestGroup,
 )
+from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -105,6 +108,54 @@ class ServingLimits:
 DEFAULT_LIMITS = ServingLimits.from_options(ServeOptions())
 
 
+class LoRARegistry:
+    """The LoRA adapters the server serves, by the name a request's `model` field gives (`--lora-modules`,
+    `/v1/load_lora_adapter`). Each registration takes a fresh id, never reused: an adapter loaded again under an
+    old name after an unload must not share the old one's weights or cached blocks in the engine core."""
+
+    def __init__(self, enabled: bool = False, base_names: tuple[str, ...] = ()) -> None:
+        self.enabled = enabled
+        self.base_names = base_names
+        self._adapters: dict[str, LoRARequest] = {}
+        self._ids = itertools.count(1)
+
+    def get(self, name: str | None) -> LoRARequest | None:
+        return self._adapters.get(name) if name is not None else None
+
+    def adapters(self) -> list[LoRARequest]:
+        return list(self._adapters.values())
+
+    def new(self, name: str, path: str) -> LoRARequest:
+        """A request for the adapter at `path` under `name`, with a fresh id; ApiError (400) naming the field
+        when LoRA is off or the name is taken. `add` serves it once the engine has loaded it."""
+        if not self.enabled:
+            raise ApiError(400, "LoRA adapters need the server started with --enable-lora", param="lora_name")
+        self.check_name(name)
+        if not path:
+            raise ApiError(400, "lora_path must name the adapter's folder", param="lora_path")
+        return LoRARequest(name, next(self._ids), path)
+
+    def check_name(self, name: str) -> None:
+        if not name or name != name.strip():
+            message = f"lora_name must be a non-empty name without surrounding whitespace, got {name!r}"
+            raise ApiError(400, message, param="lora_name")
+        if name in self.base_names or name in self._adapters:
+            message = f"lora_name {name!r} is already served: unload it first or pick another name"
+            raise ApiError(400, message, param="lora_name")
+
+    def add(self, request: LoRARequest) -> None:
+        """Serve `request` by its name (checked again: another load may have taken it meanwhile)."""
+        self.check_name(request.lora_name)
+        self._adapters[request.lora_name] = request
+
+    def remove(self, name: str) -> LoRARequest:
+        """Stop serving `name` at once (new requests naming it get 404); ApiError 404 if it is not served."""
+        request = self._adapters.pop(name, None)
+        if request is None:
+            raise ApiError(404, f"The LoRA adapter `{name}` is not loaded.", param="lora_name", code="model_not_found")
+        return request
+
+
 @dataclass(frozen=True, slots=True)
 class Call:
     """What every response and chunk of one API call repeats."""
@@ -112,6 +163,7 @@ class Call:
     id: str
     created: int
     model: str
+    lora_request: LoRARequest | None = None  # the adapter `model` names, if it names one
 
     def wrap(self, kind: type[Reply], choices: list, usage: protocol.Usage | None = None) -> Reply:
         return kind(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
@@ -126,9 +178,11 @@ class OpenAIServing:
     names: tuple[str, ...]  # the served model names; the first is the default
     # Keyword-only, so that subclasses' own fields keep their places in the constructor's arguments.
     limits: ServingLimits = field(default=DEFAULT_LIMITS, kw_only=True)
+    loras: LoRARegistry = field(default_factory=LoRARegistry, kw_only=True)
 
     def _call(self, prefix: str, model: str | None) -> Call:
-        return Call(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), self._model(model))
+        name = self._model(model)
+        return Call(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), name, self.loras.get(name))
 
     def _check(self, body: GenerateRequest) -> None:
         """Refuse, naming the field, what the server's limits or the model rule out before any prompt is read."""
@@ -148,7 +202,7 @@ class OpenAIServing:
     def _model(self, requested: str | None) -> str:
         if requested is None:
             return self.names[0]
-        if requested not in self.names:
+        if requested not in self.names and self.loras.get(requested) is None:
             raise ApiError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
         return requested
 
@@ -195,13 +249,14 @@ class OpenAIServing:
         params: EngineParams,
         param: str,
         constraint: Constraint | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestGroup:
         if constraint is not None:
             await self._compile(params, constraint)
         if cache_salt is not None:
             prompts = [{**prompt, "cache_salt": cache_salt} for prompt in prompts]
         try:
-            return await self.engine.add_requests(prompts, params)
+            return await self.engine.add_requests(prompts, params, lora_request)
         except ValueError as error:  # refused by the engine: too long, empty, outside the vocabulary
             param = "logit_bias" if "logit_bias token id" in str(error) else param
             raise ApiError(400, str(error), param=param) from error

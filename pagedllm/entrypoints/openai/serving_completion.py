@@ -31,7 +31,9 @@ class OpenAIServingCompletion(common.OpenAIServing):
                 prompt_logprobs=_prompt_logprobs_needed(body),
                 best_of=body.best_of,
             )
-        group = await self._add(prompts, body.cache_salt, params, param="prompt", constraint=constraint)
+        group = await self._add(
+            prompts, body.cache_salt, params, param="prompt", constraint=constraint, lora_request=call.lora_request
+        )
         shape = _CompletionShape(call, body.n, body.echo, body.logprobs, body.prompt_logprobs, self._decode)
         if body.stream:
             kind = protocol.CompletionResponse
