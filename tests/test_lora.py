@@ -88,8 +88,19 @@ def test_each_adapter_equals_peft_merged_in_one_mixed_batch(family):
     assert llm.stats().kv_blocks_used == 0
 
 
-@pytest.mark.parametrize("contiguous", [True, False])
-def test_batched_shrink_and_expand_equal_a_row_by_row_product(contiguous):
+# Scheduled sequences' slots (-1: the base model); their query lengths are QUERY_LENS. Slot 1's group is long
+# enough to be multiplied alone; the others are grouped: as one run of rows and slots (slices), with groups of
+# equal size (no padding), or scattered among base rows with uneven groups (indices, padded).
+QUERY_LENS = [3, 1, ALONE_ROWS + 3, 3, 1, 3]
+LAYOUTS = {
+    "runs": [2, 3, 1, -1, -1, -1],
+    "equal": [0, -1, 1, 3, -1, 2],
+    "scattered": [3, 0, 1, -1, 2, -1],
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_batched_shrink_and_expand_equal_a_row_by_row_product(layout):
     torch.manual_seed(0)
     shape = Projection(24, (16, 8, 8))
     stack = LoRAStack(shape, max_loras=4, max_rank=6, dtype=torch.float32, device=torch.device("cpu"))
@@ -97,24 +108,29 @@ def test_batched_shrink_and_expand_equal_a_row_by_row_product(contiguous):
     for slot in range(4):
         rank = slot + 2
         for part, size in enumerate(shape.part_sizes):
+            if (slot, part) == (2, 1):
+                continue  # a part this adapter leaves alone
             a, b = torch.randn(24, rank), torch.randn(rank, size)
             stack.write(slot, part, a, b)
             pairs[(slot, part)] = (a, b)
-    # Slot 1's group is long enough to be multiplied alone; the other adapters' rows share the products, as one
-    # run of rows (a slice) or scattered among base rows (indices).
-    query_lens = [3, 1, ALONE_ROWS + 3, 2, 1, 4]
-    slot_of_seq = [3, 0, 1, -1, -1, -1] if contiguous else [3, -1, 1, 0, -1, 2]
-    batch = LoRABatch.build(slot_of_seq, query_lens, max_loras=4)
+    slot_of_seq = LAYOUTS[layout]
+    batch = LoRABatch.build(slot_of_seq, QUERY_LENS)
     assert [group.slot for group in batch.own] == [1] and isinstance(batch.own[0].rows, slice)
-    assert isinstance(batch.shared.rows, slice) == contiguous
-    x = torch.randn(sum(query_lens), 24)
+    grouped = batch.grouped
+    assert isinstance(grouped.take, slice) == isinstance(grouped.slots, slice) == (layout == "runs")
+    assert (grouped.place is None) == (layout == "equal")
+    x = torch.randn(sum(QUERY_LENS), 24)
     out = torch.randn(len(x), 32)
     expected = out.clone()
     row = 0
-    for slot, length in zip(slot_of_seq, query_lens, strict=True):
+    for slot, length in zip(slot_of_seq, QUERY_LENS, strict=True):
         for r in range(row, row + length):
             if slot >= 0:
-                expected[r] += torch.cat([x[r] @ pairs[(slot, p)][0] @ pairs[(slot, p)][1] for p in range(3)])
+                parts = [
+                    x[r] @ pairs[(slot, p)][0] @ pairs[(slot, p)][1] if (slot, p) in pairs else torch.zeros(size)
+                    for p, size in enumerate(shape.part_sizes)
+                ]
+                expected[r] += torch.cat(parts)
         row += length
     stack.add(out, x, batch)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)

@@ -8,10 +8,10 @@ are written into a slot. The base weights are never touched.
 
 A step's tokens are grouped by slot (`LoRABatch`), and each projection adds a low-rank delta to its base
 output, never merging an adapter into the weights nor splitting the step by adapter. Small groups (decode
-tokens, short chunks) share two products per part: their rows by every slot's A side by side (shrink),
-each row's columns of other slots zeroed, then by every slot's B stacked (expand), which sums only the
-row's own pair. A large group (a prompt chunk) is shrunk and expanded by its own slot's pair alone, so its
-rows never pay for the other slots.
+tokens, short chunks) are gathered into one padded `[groups, rows, in]` batch and shrunk by their own slots'
+A and expanded by their own slots' B in two batched products (Punica's SGMV idea), so a row pays for its own
+rank-R pair only, whatever the mix of adapters. A large group (a prompt chunk) is multiplied by its own
+slot's pair alone, with no padding.
 
 Our projections fuse the checkpoint's: `qkv` is q, k, v side by side and `gate_up` is gate, up, so an
 adapter of q_proj writes part 0 of `qkv`; a checkpoint that fuses them itself (Phi3's qkv_proj,
@@ -193,19 +193,24 @@ def _add_to(out: torch.Tensor, rows: Rows, delta: torch.Tensor) -> None:
 
 
 def _rows(indices: np.ndarray) -> Rows:
-    if len(indices) == indices[-1] - indices[0] + 1:
+    if len(indices) == 1 or bool(np.all(np.diff(indices) == 1)):
         return slice(int(indices[0]), int(indices[-1]) + 1)
     return torch.from_numpy(indices)
 
 
 @dataclass(slots=True)
-class SharedRows:
-    """Rows of several adapters multiplied together: by every slot's A at once, each row's products of other
-    slots then zeroed (`mine`, `[rows, 1, max_loras, 1]`), and by every slot's B at once, so the step pays one
-    product per part whatever its mix of adapters (a rank-R pair per slot costs little beside the base)."""
+class GroupedRows:
+    """Small groups (decode tokens, short chunks) of several adapters, multiplied together as one batched
+    product per side: the rows are laid out `[groups, width, in]`, each group's rows after one another and
+    padded with zeros to the largest group's size, and multiplied by their own slot's A, then B (Punica's
+    shrink and expand, as two `bmm`s). `take` lists the rows in that order, `place` their positions in the
+    padded layout (None when no group needs padding)."""
 
-    rows: Rows
-    mine: torch.Tensor
+    slots: Rows  # each group's slot: a run of slots (the stacks' views, no copy) or their indices
+    num_groups: int
+    width: int  # rows per group, padded
+    take: Rows
+    place: torch.Tensor | None
 
 
 @dataclass(slots=True)
@@ -220,14 +225,13 @@ class OwnRows:
 class LoRABatch:
     """A step's rows that run under an adapter, by slot; the other rows are the base model's alone."""
 
-    shared: SharedRows | None
+    grouped: GroupedRows | None
     own: list[OwnRows]
 
     @staticmethod
-    def build(slot_of_seq: list[int], query_lens: list[int], max_loras: int) -> LoRABatch | None:
+    def build(slot_of_seq: list[int], query_lens: list[int]) -> LoRABatch | None:
         """`slot_of_seq[i]` is scheduled sequence i's slot (-1: the base model), `query_lens[i]` its rows."""
         starts = np.concatenate(([0], np.cumsum(query_lens)))
-        total = int(starts[-1])
         per_slot: dict[int, list[int]] = {}
         for i, slot in enumerate(slot_of_seq):
             if slot >= 0:
@@ -235,16 +239,8 @@ class LoRABatch:
         if not per_slot:
             return None
         own = [OwnRows(slot, _rows(np.array(rows))) for slot, rows in per_slot.items() if len(rows) > ALONE_ROWS]
-        small = {slot: rows for slot, rows in per_slot.items() if len(rows) <= ALONE_ROWS}
-        shared = None
-        if small:
-            rows = np.array(sorted(row for group in small.values() for row in group))
-            slot_of_row = np.full(total, -1)
-            for slot, group in small.items():
-                slot_of_row[group] = slot
-            mine = torch.from_numpy(slot_of_row[rows][:, None] == np.arange(max_loras)[None, :])
-            shared = SharedRows(_rows(rows), mine.view(len(rows), 1, max_loras, 1))
-        return LoRABatch(shared, own)
+        small = sorted((slot, rows) for slot, rows in per_slot.items() if len(rows) <= ALONE_ROWS)
+        return LoRABatch(_grouped(small) if small else None, own)
 
     def to(self, device: torch.device) -> LoRABatch:
         if device.type == "cpu":
@@ -253,50 +249,70 @@ class LoRABatch:
         def moved(rows: Rows) -> Rows:
             return rows if isinstance(rows, slice) else rows.to(device)
 
-        shared = self.shared
-        if shared is not None:
-            shared = SharedRows(moved(shared.rows), shared.mine.to(device))
-        return LoRABatch(shared, [OwnRows(group.slot, moved(group.rows)) for group in self.own])
+        grouped = self.grouped
+        if grouped is not None:
+            place = None if grouped.place is None else grouped.place.to(device)
+            grouped = GroupedRows(moved(grouped.slots), grouped.num_groups, grouped.width, moved(grouped.take), place)
+        return LoRABatch(grouped, [OwnRows(group.slot, moved(group.rows)) for group in self.own])
+
+
+def _grouped(small: list[tuple[int, list[int]]]) -> GroupedRows:
+    """The small groups, in the order of their slots, in the padded `[groups, width]` layout."""
+    width = max(len(rows) for _, rows in small)
+    take = np.concatenate([np.asarray(rows) for _, rows in small])
+    padded = any(len(rows) < width for _, rows in small)
+    place = None
+    if padded:
+        place = torch.from_numpy(
+            np.concatenate([g * width + np.arange(len(rows)) for g, (_, rows) in enumerate(small)])
+        )
+    slots = np.array([slot for slot, _ in small])
+    return GroupedRows(_rows(slots), len(small), width, _rows(take), place)
 
 
 class LoRAStack:
-    """One projection's slots. A is `[in, parts, max_loras, R]`, so that one part's columns of every slot sit
-    side by side; each part's B is `[max_loras, R, out_i]`, every slot's rows one after another. A rank below
-    R and a part the adapter leaves alone are zeros."""
+    """One projection's slots. A is `[max_loras, in, parts * R]`: every part's A side by side, so that one
+    product shrinks a row for all parts; B is `[max_loras, parts * R, out]`, block-diagonal (part i's R rows
+    reach part i's columns only), so that one product expands it into every part. A rank below R and a part the
+    adapter leaves alone are zeros."""
 
     def __init__(self, shape: Projection, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device):
         self.rank, self.max_loras = max_rank, max_loras
         self.num_parts = len(shape.part_sizes)
-        self.a = torch.zeros(shape.in_features, self.num_parts, max_loras, max_rank, dtype=dtype, device=device)
-        self.b = [torch.zeros(max_loras, max_rank, size, dtype=dtype, device=device) for size in shape.part_sizes]
+        self.offsets = np.concatenate(([0], np.cumsum(shape.part_sizes))).tolist()
+        inner = self.num_parts * max_rank
+        self.a = torch.zeros(max_loras, shape.in_features, inner, dtype=dtype, device=device)
+        self.b = torch.zeros(max_loras, inner, self.offsets[-1], dtype=dtype, device=device)
 
     @property
     def bytes_per_slot(self) -> int:
-        return (self.a.nbytes + sum(b.nbytes for b in self.b)) // self.max_loras
+        return (self.a.nbytes + self.b.nbytes) // self.max_loras
 
     def clear(self, slot: int) -> None:
-        self.a[:, :, slot].zero_()
-        for b in self.b:
-            b[slot].zero_()
+        self.a[slot].zero_()
+        self.b[slot].zero_()
 
     def write(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
-        rank = a.shape[1]
-        self.a[:, part, slot, :rank] = a
-        self.b[part][slot, :rank] = b
+        rank, first = a.shape[1], part * self.rank
+        self.a[slot, :, first : first + rank] = a
+        self.b[slot, first : first + rank, self.offsets[part] : self.offsets[part + 1]] = b
 
     def add(self, out: torch.Tensor, x: torch.Tensor, batch: LoRABatch) -> None:
         """`out += B(A x)` for each row of `batch`, with its own slot's pair."""
-        if batch.shared is not None:
-            shared = batch.shared
-            shrunk = _take(x, shared.rows) @ self.a.view(x.shape[1], -1)  # [rows, parts * max_loras * R]
-            shrunk = shrunk.view(-1, self.num_parts, self.max_loras, self.rank).mul_(shared.mine)
-            width = self.max_loras * self.rank
-            parts = [shrunk[:, i].reshape(-1, width) @ b.view(width, -1) for i, b in enumerate(self.b)]
-            _add_to(out, shared.rows, parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1))
+        if batch.grouped is not None:
+            _add_to(out, batch.grouped.take, self._grouped_delta(x, batch.grouped))
         for group in batch.own:
-            xs = _take(x, group.rows)
-            parts = [(xs @ self.a[:, i, group.slot]) @ b[group.slot] for i, b in enumerate(self.b)]
-            _add_to(out, group.rows, parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1))
+            _add_to(out, group.rows, (_take(x, group.rows) @ self.a[group.slot]) @ self.b[group.slot])
+
+    def _grouped_delta(self, x: torch.Tensor, grouped: GroupedRows) -> torch.Tensor:
+        """The deltas of the grouped rows, in `take`'s order."""
+        xs = _take(x, grouped.take)
+        groups = grouped.num_groups
+        if grouped.place is not None:
+            xs = xs.new_zeros(groups * grouped.width, x.shape[1]).index_copy_(0, grouped.place, xs)
+        a, b = self.a[grouped.slots], self.b[grouped.slots]  # views for a run of slots
+        delta = torch.bmm(torch.bmm(xs.view(groups, grouped.width, -1), a), b).view(groups * grouped.width, -1)
+        return delta if grouped.place is None else delta.index_select(0, grouped.place)
 
 
 def add_lora(out: torch.Tensor, x: torch.Tensor, stack: LoRAStack | None, batch: LoRABatch | None) -> None:

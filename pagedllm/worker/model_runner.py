@@ -42,15 +42,12 @@ class FlatBatch:
     lora: LoRABatch | None = None  # rows under LoRA adapters, by slot
 
 
-def build_batch(
-    scheduled: list[ScheduledSeq], block_size: int, lora_slots: dict[int, int] | None = None, max_loras: int = 0
-) -> FlatBatch:
-    """The step's flat batch; `lora_slots` maps each scheduled adapter's id to its slot among `max_loras`
-    (None: no adapters)."""
+def build_batch(scheduled: list[ScheduledSeq], block_size: int, lora_slots: dict[int, int] | None = None) -> FlatBatch:
+    """The step's flat batch; `lora_slots` maps each scheduled adapter's id to its slot (None: no adapters)."""
     batch = _flat_batch(scheduled, block_size)
     if lora_slots:
         slot_of_seq = [-1 if item.seq.lora is None else lora_slots[item.seq.lora.lora_int_id] for item in scheduled]
-        batch.lora = LoRABatch.build(slot_of_seq, [item.num_new_tokens for item in scheduled], max_loras)
+        batch.lora = LoRABatch.build(slot_of_seq, [item.num_new_tokens for item in scheduled])
     return batch
 
 

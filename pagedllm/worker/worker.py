@@ -167,8 +167,7 @@ class Worker:
             timer.lap("propose")
         if batch is None and out.scheduled:
             with stage(PREPARING_AFTER_MOVES):
-                max_loras = 0 if self.lora is None else self.lora.slots.max_loras
-                batch = build_batch(out.scheduled, self.block_size, lora_slots, max_loras)
+                batch = build_batch(out.scheduled, self.block_size, lora_slots)
         if batch is None:
             return ModelOutput()
         with self.threads.step(len(batch.input_ids)):
