@@ -483,7 +483,17 @@ class LLMEngine:
     # ---- numbers --------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        return self.scheduler.stats(self._num_steps, dict(self._step_seconds))
+        stats = self.scheduler.stats(self._num_steps, dict(self._step_seconds))
+        lora = self.worker.lora
+        if lora is None:
+            return stats
+        return dataclasses.replace(
+            stats,
+            lora_resident=lora.num_resident,
+            lora_loaded=len(lora.loaded()),
+            lora_disk_loads=lora.num_disk_loads,
+            lora_slot_writes=lora.num_slot_writes,
+        )
 
     def kv_snapshot(self) -> KVSnapshot:
         """Every block's reference count, the cached blocks and every live sequence's block table, copied.

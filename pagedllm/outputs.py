@@ -105,6 +105,11 @@ class EngineStats:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    # LoRA: adapters in a slot and in CPU memory now; adapters read from disk and written into a slot, in all.
+    lora_resident: int = 0
+    lora_loaded: int = 0
+    lora_disk_loads: int = 0
+    lora_slot_writes: int = 0
 
     @property
     def spec_acceptance_rate(self) -> float:

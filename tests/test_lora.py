@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from pagedllm import LLM, LoRARequest, SamplingParams
-from pagedllm.models.lora import ALONE_ROWS, LoRABatch, LoRAStack, Projection
+from pagedllm.models.lora import LoRABatch, LoRAStack, Projection
 from tests.conftest import save_tiny_model
 
 # family -> (transformers model_type, options, two adapters' (rank, target modules))
@@ -70,9 +70,9 @@ def prompts_of(lengths: list[int], seed: int = 0) -> list[list[int]]:
 
 def test_each_adapter_equals_peft_merged_in_one_mixed_batch(family):
     base, (first, second) = family
-    # Short prompts (padded into one set) and prompts longer than ALONE_ROWS (a set each), of both adapters
-    # and of the base model, all in the same steps.
-    lengths = [5, 9, ALONE_ROWS + 20, 7, 3, ALONE_ROWS + 5, 12, 6, 4]
+    # Short prompts (grouped, padded) and a long one (its adapter's group, 166 rows beside the other's 25, is
+    # multiplied alone in the prefill step), of both adapters and of the base model, all in the same steps.
+    lengths = [5, 9, 12, 7, 3, 150, 12, 6, 4]
     adapters = [None, first, second, second, first, first, None, second, first]
     prompts = prompts_of(lengths)
     requests = {first: LoRARequest("first", 1, str(first)), second: LoRARequest("second", 2, str(second))}
@@ -88,10 +88,10 @@ def test_each_adapter_equals_peft_merged_in_one_mixed_batch(family):
     assert llm.stats().kv_blocks_used == 0
 
 
-# Scheduled sequences' slots (-1: the base model); their query lengths are QUERY_LENS. Slot 1's group is long
-# enough to be multiplied alone; the others are grouped: as one run of rows and slots (slices), with groups of
-# equal size (no padding), or scattered among base rows with uneven groups (indices, padded).
-QUERY_LENS = [3, 1, ALONE_ROWS + 3, 3, 1, 3]
+# Scheduled sequences' slots (-1: the base model); their query lengths are QUERY_LENS. Slot 1's group would pad
+# the others' too much, so it is multiplied alone; the others are grouped: as one run of rows and slots
+# (slices, padded), with groups of equal size (no padding), or scattered among base rows (indices, padded).
+QUERY_LENS = [3, 2, 60, 3, 3, 3]
 LAYOUTS = {
     "runs": [2, 3, 1, -1, -1, -1],
     "equal": [0, -1, 1, 3, -1, 2],
@@ -99,11 +99,12 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # their rows are added back differently
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_batched_shrink_and_expand_equal_a_row_by_row_product(layout):
+def test_batched_shrink_and_expand_equal_a_row_by_row_product(layout, dtype):
     torch.manual_seed(0)
     shape = Projection(24, (16, 8, 8))
-    stack = LoRAStack(shape, max_loras=4, max_rank=6, dtype=torch.float32, device=torch.device("cpu"))
+    stack = LoRAStack(shape, max_loras=4, max_rank=6, dtype=dtype, device=torch.device("cpu"))
     pairs = {}
     for slot in range(4):
         rank = slot + 2
@@ -132,8 +133,11 @@ def test_batched_shrink_and_expand_equal_a_row_by_row_product(layout):
                 ]
                 expected[r] += torch.cat(parts)
         row += length
-    stack.add(out, x, batch)
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+    added = out.to(dtype)
+    stack.add(added, x.to(dtype), batch)
+    # bf16: the inputs, the pairs and every product rounded to 8 bits of mantissa.
+    tolerance = {"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 0.05, "atol": 0.5}
+    torch.testing.assert_close(added.float(), expected, **tolerance)
 
 
 @pytest.fixture(scope="module")

@@ -116,8 +116,16 @@ def test_bad_loads_and_unloads_are_refused_naming_the_field(server, adapters, tm
 
 
 def test_load_use_and_unload_at_run_time(server, client, adapters, expected):
+    disk_loads, slot_writes = (
+        server.metric("pagedllm:lora_disk_loads_total"),
+        server.metric("pagedllm:lora_slot_writes_total"),
+    )
     assert load(server, "second", adapters["second"]).status_code == 200
     assert complete(client, "second", PROMPTS[1]) == expected["second"][1]
+    # Read from disk once (by the load), written into a slot by its first request.
+    assert server.metric("pagedllm:lora_disk_loads_total") == disk_loads + 1
+    assert server.metric("pagedllm:lora_slot_writes_total") > slot_writes
+    assert 1 <= server.metric("pagedllm:lora_adapters_resident") <= 2
     assert unload(server, "second").status_code == 200
     with pytest.raises(openai.NotFoundError, match="second"):
         complete(client, "second", PROMPTS[1])

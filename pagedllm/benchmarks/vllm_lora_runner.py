@@ -40,6 +40,7 @@ def main(job_path: str, result_path: str) -> None:
     spread = [requests[i % len(requests)] for i in range(len(prompts))]
 
     def rate(loras: list | None) -> float:
+        llm.reset_prefix_cache()  # every run prefills its prompts, as pagedllm's side does
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
         return sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - start)

@@ -7,11 +7,11 @@ projection, every rank padded to `max_lora_rank`), allocated once; an adapter is
 are written into a slot. The base weights are never touched.
 
 A step's tokens are grouped by slot (`LoRABatch`), and each projection adds a low-rank delta to its base
-output, never merging an adapter into the weights nor splitting the step by adapter. Small groups (decode
-tokens, short chunks) are gathered into one padded `[groups, rows, in]` batch and shrunk by their own slots'
-A and expanded by their own slots' B in two batched products (Punica's SGMV idea), so a row pays for its own
-rank-R pair only, whatever the mix of adapters. A large group (a prompt chunk) is multiplied by its own
-slot's pair alone, with no padding.
+output, never merging an adapter into the weights nor splitting the step by adapter. Groups (decode
+tokens, prompt chunks of similar lengths) are gathered into one padded `[groups, rows, in]` batch and shrunk by
+their own slots' A and expanded by their own slots' B in two batched products (Punica's SGMV idea), so a row
+pays for its own rank-R pair only, whatever the mix of adapters. A group that would pad the batch too much (a
+prompt chunk beside decode tokens) is multiplied by its own slot's pair alone.
 
 Our projections fuse the checkpoint's: `qkv` is q, k, v side by side and `gate_up` is gate, up, so an
 adapter of q_proj writes part 0 of `qkv`; a checkpoint that fuses them itself (Phi3's qkv_proj,
@@ -33,8 +33,9 @@ from pagedllm.models.config import ModelConfig
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-# A group of more rows than this (a prompt chunk) is multiplied by its own pair alone, not by every slot's.
-ALONE_ROWS = 64
+# The step's groups are multiplied together, padded to the largest, while the padded rows are at most this many
+# times the real ones; past it the largest groups (prompt chunks beside decode tokens) are multiplied alone.
+MAX_PADDING = 1.25
 
 # The checkpoint's module in a layer -> our projection and the parts of it the module is.
 TARGETS: dict[str, tuple[str, tuple[int, ...]]] = {
@@ -185,11 +186,14 @@ def _take(x: torch.Tensor, rows: Rows) -> torch.Tensor:
 
 
 def _add_to(out: torch.Tensor, rows: Rows, delta: torch.Tensor) -> None:
-    """`out[rows] += delta`, each row once (an indexed copy: a bf16 indexed add is several times slower)."""
+    """`out[rows] += delta`, each row once: an indexed add, except in bf16, where torch's indexed add is several
+    times slower than reading the rows, adding and copying them back (in float32 it is 2-4 times faster)."""
     if isinstance(rows, slice):
         out[rows] += delta
-    else:
+    elif out.dtype == torch.bfloat16:
         out.index_copy_(0, rows, out.index_select(0, rows).add_(delta))
+    else:
+        out.index_add_(0, rows, delta)
 
 
 def _rows(indices: np.ndarray) -> Rows:
@@ -225,7 +229,7 @@ class OwnRows:
 class LoRABatch:
     """A step's rows that run under an adapter, by slot; the other rows are the base model's alone."""
 
-    grouped: GroupedRows | None
+    grouped: GroupedRows
     own: list[OwnRows]
 
     @staticmethod
@@ -238,9 +242,12 @@ class LoRABatch:
                 per_slot.setdefault(slot, []).extend(range(starts[i], starts[i + 1]))
         if not per_slot:
             return None
-        own = [OwnRows(slot, _rows(np.array(rows))) for slot, rows in per_slot.items() if len(rows) > ALONE_ROWS]
-        small = sorted((slot, rows) for slot, rows in per_slot.items() if len(rows) <= ALONE_ROWS)
-        return LoRABatch(_grouped(small) if small else None, own)
+        groups = sorted(per_slot.items(), key=lambda group: len(group[1]))
+        own: list[OwnRows] = []
+        while len(groups) > 1 and len(groups) * len(groups[-1][1]) > MAX_PADDING * sum(len(g) for _, g in groups):
+            slot, rows = groups.pop()
+            own.append(OwnRows(slot, _rows(np.array(rows))))
+        return LoRABatch(_grouped(sorted(groups)), own)
 
     def to(self, device: torch.device) -> LoRABatch:
         if device.type == "cpu":
@@ -249,10 +256,9 @@ class LoRABatch:
         def moved(rows: Rows) -> Rows:
             return rows if isinstance(rows, slice) else rows.to(device)
 
-        grouped = self.grouped
-        if grouped is not None:
-            place = None if grouped.place is None else grouped.place.to(device)
-            grouped = GroupedRows(moved(grouped.slots), grouped.num_groups, grouped.width, moved(grouped.take), place)
+        g = self.grouped
+        place = None if g.place is None else g.place.to(device)
+        grouped = GroupedRows(moved(g.slots), g.num_groups, g.width, moved(g.take), place)
         return LoRABatch(grouped, [OwnRows(group.slot, moved(group.rows)) for group in self.own])
 
 
@@ -299,10 +305,20 @@ class LoRAStack:
 
     def add(self, out: torch.Tensor, x: torch.Tensor, batch: LoRABatch) -> None:
         """`out += B(A x)` for each row of `batch`, with its own slot's pair."""
-        if batch.grouped is not None:
-            _add_to(out, batch.grouped.take, self._grouped_delta(x, batch.grouped))
+        _add_to(out, batch.grouped.take, self._grouped_delta(x, batch.grouped))
         for group in batch.own:
-            _add_to(out, group.rows, (_take(x, group.rows) @ self.a[group.slot]) @ self.b[group.slot])
+            shrunk = _take(x, group.rows) @ self.a[group.slot]
+            if isinstance(group.rows, slice):  # a prompt chunk: each part's block added in place, no zeros
+                self._expand_parts_into(out[group.rows], shrunk, group.slot)
+            else:
+                _add_to(out, group.rows, shrunk @ self.b[group.slot])
+
+    def _expand_parts_into(self, target: torch.Tensor, shrunk: torch.Tensor, slot: int) -> None:
+        """`target += shrunk @ B` by each part's diagonal block only (a view of `target` is written in place)."""
+        for part in range(self.num_parts):
+            inner = slice(part * self.rank, (part + 1) * self.rank)
+            columns = slice(self.offsets[part], self.offsets[part + 1])
+            target[:, columns].addmm_(shrunk[:, inner], self.b[slot, inner, columns])
 
     def _grouped_delta(self, x: torch.Tensor, grouped: GroupedRows) -> torch.Tensor:
         """The deltas of the grouped rows, in `take`'s order."""

@@ -73,6 +73,10 @@ class LoRAManager:
             self._free.append(slot)
         return self._loaded.pop(lora_int_id, None) is not None or slot is not None
 
+    @property
+    def num_resident(self) -> int:
+        return len(self._resident)
+
     def known_ids(self) -> set[int]:
         """The adapters in CPU memory or in a slot."""
         return set(self._loaded) | set(self._resident)

@@ -113,6 +113,8 @@ _GAUGES = {
         "spec_mean_accepted_length",
         "Tokens per checked proposal, the target's own pick after the accepted guesses included",
     ),
+    "lora_adapters_resident": ("lora_resident", "LoRA adapters in a slot, ready for a step (at most --max-loras)"),
+    "lora_adapters_loaded": ("lora_loaded", "LoRA adapters kept in CPU memory (at most --max-cpu-loras)"),
 }
 # Counter name -> (EngineStats total, help); vLLM's names for speculative decoding's.
 _TOTALS = {
@@ -120,4 +122,6 @@ _TOTALS = {
     "spec_decode_num_drafts": ("spec_num_drafts", "Speculative proposals checked"),
     "spec_decode_num_draft_tokens": ("spec_num_draft_tokens", "Tokens speculated"),
     "spec_decode_num_accepted_tokens": ("spec_num_accepted_tokens", "Speculated tokens the target accepted"),
+    "lora_disk_loads": ("lora_disk_loads", "LoRA adapters read from disk (a cold adapter, or one evicted from memory)"),
+    "lora_slot_writes": ("lora_slot_writes", "LoRA adapters written into a slot (each one not resident when needed)"),
 }
