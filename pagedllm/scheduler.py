@@ -260,7 +260,8 @@ class Scheduler:
         still owed prompt log-probabilities takes cached blocks only before the first position to score."""
         first_unscored = seq.num_prompt_tokens - 1 - seq.num_prompt_logprobs_missing
         lookup = seq.token_ids[: first_unscored + 1] if seq.num_prompt_logprobs_missing else seq.token_ids
-        hit = self.kv.start_sequence(seq.seq_id, lookup, seq.block_salt)
+        lora_id = None if seq.lora is None else seq.lora.lora_int_id
+        hit = self.kv.start_sequence(seq.seq_id, lookup, seq.block_salt, lora_id)
         seq.num_computed_tokens = hit
         return hit
 

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from pagedllm import LLM, LoRARequest, SamplingParams
+from pagedllm.kv.events import BlockStored
 from pagedllm.models.lora import LoRABatch, LoRAStack, Projection
 from tests.conftest import save_tiny_model
 
@@ -154,6 +155,9 @@ def test_the_prefix_cache_never_shares_blocks_across_adapters(llama_adapters):
     prompt = prompts_of([40])[0]  # two full blocks of 16
     one, two = LoRARequest("one", 1, str(first)), LoRARequest("two", 2, str(second))
 
+    stored: list[BlockStored] = []
+    llm.engine.add_kv_event_sink(lambda event: stored.append(event) if isinstance(event, BlockStored) else None)
+
     def hits_after(lora: LoRARequest | None) -> int:
         before = llm.stats().prefix_cache_hits
         llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False, lora_request=lora)
@@ -164,6 +168,9 @@ def test_the_prefix_cache_never_shares_blocks_across_adapters(llama_adapters):
     assert hits_after(two) == 0  # another adapter: none of them
     assert hits_after(None) == 0  # the base model: none either
     assert hits_after(None) == 32
+    # The KV events say whose blocks were stored (vLLM's lora_id): one, two, the base, each once.
+    assert [event.lora_id for event in stored] == [1, 2, None]
+    assert stored[0].as_dict()["lora_id"] == 1
 
 
 def test_more_adapters_than_slots_all_run_and_each_is_right(llama_adapters):

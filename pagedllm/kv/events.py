@@ -24,6 +24,7 @@ class BlockStored:
     parent_block_hash: bytes | None  # the block before the first of them; None at a chain's start
     token_ids: list[int]  # every token of the blocks, in order
     block_size: int
+    lora_id: int | None = None  # the LoRA adapter whose K/V they hold (vLLM's field); None: the base model
 
     def as_dict(self) -> dict:
         return {
@@ -32,6 +33,7 @@ class BlockStored:
             "parent_block_hash": self.parent_block_hash.hex() if self.parent_block_hash else None,
             "token_ids": self.token_ids,
             "block_size": self.block_size,
+            "lora_id": self.lora_id,
         }
 
 

@@ -27,6 +27,7 @@ class SeqBlocks:
     num_tokens: int = 0  # tokens whose slots the table holds
     hashes: list[bytes] = field(default_factory=list)  # chained hashes of its registered full blocks
     salt: str | None = None
+    lora_id: int | None = None  # the adapter its K/V are computed under, reported with its stored blocks
     swapped: bool = False
     # Leading entries given back because every layer's sliding window has passed them; they read -1.
     num_slid: int = 0
@@ -86,13 +87,14 @@ class KVCacheManager:
 
     # ---- a sequence's life ----------------------------------------------------------------
 
-    def start_sequence(self, seq_id: int, token_ids: list[int], salt: str | None) -> int:
+    def start_sequence(self, seq_id: int, token_ids: list[int], salt: str | None, lora_id: int | None = None) -> int:
         """Open a block table holding the longest cached prefix of `token_ids`; returns the number of
-        tokens it covers. Never the last token: its logits must still be computed."""
+        tokens it covers. Never the last token: its logits must still be computed. `salt` keys the first block's
+        hash (the adapter's key is in it); `lora_id` is what the KV events say of the blocks."""
         blocks, hashes = self._lookup(token_ids, salt)
         for block in blocks:
             self.pool.take(block)
-        self.seqs[seq_id] = SeqBlocks(blocks, len(blocks) * self.block_size, hashes, salt)
+        self.seqs[seq_id] = SeqBlocks(blocks, len(blocks) * self.block_size, hashes, salt, lora_id)
         return len(blocks) * self.block_size
 
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
@@ -181,19 +183,20 @@ class KVCacheManager:
         stored = [self.pool.register(record.blocks[first + i], block_hash) for i, block_hash in enumerate(new)]
         hashes.extend(new)
         if self._sinks:
-            self._report_stored(token_ids, hashes, first, stored)
+            self._report_stored(token_ids, record, first, stored)
 
-    def _report_stored(self, token_ids: list[int], hashes: list[bytes], first: int, stored: list[bool]) -> None:
+    def _report_stored(self, token_ids: list[int], record: SeqBlocks, first: int, stored: list[bool]) -> None:
         """One BlockStored per run of consecutive newly registered blocks (`stored[i]`: block `first + i` was). A
         block that another sequence registered first is not stored again, and breaks the run."""
-        size = self.block_size
+        size, hashes = self.block_size, record.hashes
         start = None
         for index, is_new in enumerate([*stored, False], start=first):
             if is_new and start is None:
                 start = index
             elif not is_new and start is not None:
                 parent = hashes[start - 1] if start else None
-                self._emit(BlockStored(hashes[start:index], parent, token_ids[start * size : index * size], size))
+                tokens = token_ids[start * size : index * size]
+                self._emit(BlockStored(hashes[start:index], parent, tokens, size, record.lora_id))
                 start = None
 
     def free(self, seq_id: int) -> None:
