@@ -82,7 +82,11 @@ class LoRAModules(Domain):
         if not isinstance(value, str) or "=" not in value:
             return False
         name, path = value.split("=", 1)
-        return Texts().admits(name) and path != "" and os.path.isdir(Path(path).expanduser())
+        try:
+            folder = Path(path).expanduser()
+        except RuntimeError:  # "~name" of no such user
+            return False
+        return Texts().admits(name) and path != "" and os.path.isdir(folder)
 
 
 def option(default: object, help: str, *, domain: Domain, flag: str | None = None) -> Any:

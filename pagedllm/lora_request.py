@@ -20,7 +20,11 @@ class LoRARequest:
             raise ValueError(f"lora_int_id must be a positive integer, got {self.lora_int_id!r}")
         if not self.lora_name:
             raise ValueError("lora_name must not be empty")
-        object.__setattr__(self, "lora_path", str(Path(self.lora_path).expanduser()))
+        try:
+            path = Path(self.lora_path).expanduser()
+        except RuntimeError as error:  # "~name" of no such user
+            raise ValueError(f"lora_path {self.lora_path!r} cannot be expanded: {error}") from error
+        object.__setattr__(self, "lora_path", str(path))
 
     @property
     def cache_key(self) -> str:

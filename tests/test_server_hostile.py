@@ -28,7 +28,7 @@ from tests.test_server import NUM_KV_BLOCKS, ServerProcess, assert_refused, star
 MAX_MODEL_LEN = 128  # short, so that whatever max_tokens the fuzzer picks, its requests end soon
 VOCAB = 384  # the tiny model's
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
-LORA_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")  # refused: this server runs without --enable-lora
+LORA_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 HI = [{"role": "user", "content": "hi"}]
 HUGE = 2**70
 LIMITS = ServeOptions()  # the server below runs with the default limits
@@ -38,7 +38,8 @@ PROBE = {"prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0, "i
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory) -> Iterator[ServerProcess]:
     log = tmp_path_factory.mktemp("hostile") / "server.log"
-    process = start_server(tiny_llama, log, "--max-model-len", str(MAX_MODEL_LEN))
+    # LoRA on, so that the adapter routes' fuzzed names and paths reach the engine core's checks.
+    process = start_server(tiny_llama, log, "--max-model-len", str(MAX_MODEL_LEN), "--enable-lora")
     yield process
     assert stop_server(process) == 0, log.read_text()
 

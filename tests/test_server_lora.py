@@ -106,6 +106,8 @@ def test_an_unknown_adapter_is_a_404_naming_it(client):
 def test_bad_loads_and_unloads_are_refused_naming_the_field(server, adapters, tmp_path):
     assert_error(load(server, "wide", adapters["too_wide"]), 400, "lora_path", "r=16", "max_lora_rank")
     assert_error(load(server, "nowhere", tmp_path / "missing"), 400, "lora_path", "adapter_config.json")
+    assert_error(load(server, "long", "a" * 5000), 400, "lora_path", "cannot be read")
+    assert_error(load(server, "nobody", "~no-such-user-here/adapter"), 400, "lora_path", "cannot be expanded")
     assert_error(load(server, "first", adapters["second"]), 400, "lora_name", "already served")
     assert_error(load(server, "tiny", adapters["second"]), 400, "lora_name", "already served")
     assert_error(unload(server, "never-loaded"), 404, "lora_name", "never-loaded")

@@ -85,10 +85,13 @@ class AdapterConfig:
 def read_adapter_config(folder: str | Path, max_rank: int) -> AdapterConfig:
     """The adapter's settings, checked: ValueError naming what pagedllm cannot serve."""
     path = Path(folder) / ADAPTER_CONFIG
-    if not path.is_file():
-        raise ValueError(f"lora_path {str(folder)!r} has no {ADAPTER_CONFIG}")
-    if not (Path(folder) / ADAPTER_WEIGHTS).is_file():
-        raise ValueError(f"lora_path {str(folder)!r} has no {ADAPTER_WEIGHTS}")
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        try:
+            found = (Path(folder) / name).is_file()
+        except OSError as error:  # a name too long, a folder it may not read: the path's fault, not the server's
+            raise ValueError(f"lora_path {str(folder)[:200]!r} cannot be read: {error.strerror}") from error
+        if not found:
+            raise ValueError(f"lora_path {str(folder)[:200]!r} has no {name}")
     try:
         raw = json.loads(path.read_text())
     except (OSError, ValueError) as error:

@@ -133,7 +133,10 @@ class LoRARegistry:
         self.check_name(name)
         if not path:
             raise ApiError(400, "lora_path must name the adapter's folder", param="lora_path")
-        return LoRARequest(name, next(self._ids), path)
+        try:
+            return LoRARequest(name, next(self._ids), path)
+        except ValueError as error:
+            raise ApiError(400, str(error), param="lora_path") from error
 
     def check_name(self, name: str) -> None:
         if not name or name != name.strip():
