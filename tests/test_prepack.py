@@ -46,7 +46,9 @@ def test_gemms_of_every_row_count_keep_a_bounded_heap():
     bounded = _heap_growth_mib(None)  # pagedllm's own cap
     unbounded = _heap_growth_mib(1024)  # oneDNN's and ideep's default
     assert PRIMITIVE_CACHE_CAPACITY < 960  # 240 sizes x 4 shapes would all fit otherwise
-    assert bounded < 100, f"the heap grew {bounded:.0f} MiB over 960 GEMM primitives"
+    # The primitives' size depends on the kind: float32 ones on the AVX2 kind grew the heap 97-128 MiB capped and
+    # about 600 MiB uncapped (bf16 ones on the AVX512 kinds stayed under 100 MiB capped).
+    assert bounded < 200, f"the heap grew {bounded:.0f} MiB over 960 GEMM primitives"
     assert unbounded > 2 * bounded, f"capped {bounded:.0f} MiB, uncapped {unbounded:.0f} MiB: is the cap read?"
 
 
