@@ -300,7 +300,7 @@ class ServeOptions:
 
     def lora_module_paths(self) -> list[tuple[str, str]]:
         """`lora_modules` as (name, path) pairs."""
-        return [(module.split("=", 1)[0], module.split("=", 1)[1]) for module in self.lora_modules]
+        return [(name, path) for name, path in (module.split("=", 1) for module in self.lora_modules)]
 
     def model_names(self, model: str | Path | None) -> tuple[str, ...]:
         return self.served_model_names or (str(model) if model is not None else DEFAULT_SERVED_NAME,)

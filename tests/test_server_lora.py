@@ -15,9 +15,8 @@ import pytest
 
 from pagedllm import LLM, LoRARequest, SamplingParams
 from tests.test_lora import make_adapter
-from tests.test_server import AUTH, ServerProcess, free_port, post, start_server, stop_server
+from tests.test_server import API_KEY, AUTH, ServerProcess, free_port, post, start_server, stop_server
 
-API_KEY = AUTH["Authorization"].removeprefix("Bearer ")
 MAX_RANK = 8
 PROMPTS = ["The paged cache", "Adapters share one base", "A block of sixteen tokens"]
 MAX_TOKENS = 12

@@ -207,8 +207,8 @@ def _rows(indices: np.ndarray) -> Rows:
 
 @dataclass(slots=True)
 class GroupedRows:
-    """Small groups (decode tokens, short chunks) of several adapters, multiplied together as one batched
-    product per side: the rows are laid out `[groups, width, in]`, each group's rows after one another and
+    """Groups of several adapters (decode tokens, prompt chunks of similar lengths), multiplied together as one
+    batched product per side: the rows are laid out `[groups, width, in]`, each group's rows after one another and
     padded with zeros to the largest group's size, and multiplied by their own slot's A, then B (Punica's
     shrink and expand, as two `bmm`s). `take` lists the rows in that order, `place` their positions in the
     padded layout (None when no group needs padding)."""
@@ -265,18 +265,17 @@ class LoRABatch:
         return LoRABatch(grouped, [OwnRows(group.slot, moved(group.rows)) for group in self.own])
 
 
-def _grouped(small: list[tuple[int, list[int]]]) -> GroupedRows:
-    """The small groups, in the order of their slots, in the padded `[groups, width]` layout."""
-    width = max(len(rows) for _, rows in small)
-    take = np.concatenate([np.asarray(rows) for _, rows in small])
-    padded = any(len(rows) < width for _, rows in small)
+def _grouped(groups: list[tuple[int, list[int]]]) -> GroupedRows:
+    """The groups, in the order of their slots, in the padded `[groups, width]` layout."""
+    width = max(len(rows) for _, rows in groups)
+    take = np.concatenate([np.asarray(rows) for _, rows in groups])
     place = None
-    if padded:
+    if any(len(rows) < width for _, rows in groups):
         place = torch.from_numpy(
-            np.concatenate([g * width + np.arange(len(rows)) for g, (_, rows) in enumerate(small)])
+            np.concatenate([g * width + np.arange(len(rows)) for g, (_, rows) in enumerate(groups)])
         )
-    slots = np.array([slot for slot, _ in small])
-    return GroupedRows(_rows(slots), len(small), width, _rows(take), place)
+    slots = np.array([slot for slot, _ in groups])
+    return GroupedRows(_rows(slots), len(groups), width, _rows(take), place)
 
 
 class LoRAStack:

@@ -21,6 +21,7 @@ from starlette.background import BackgroundTask
 
 from pagedllm.beam_search import BeamSearchParams
 from pagedllm.config import ServeOptions
+from pagedllm.domains import Texts
 from pagedllm.entrypoints.openai import protocol, tool_parsers
 from pagedllm.entrypoints.openai.async_engine import (
     AsyncLLMEngine,
@@ -108,6 +109,9 @@ class ServingLimits:
 DEFAULT_LIMITS = ServingLimits.from_options(ServeOptions())
 
 
+_NAMES = Texts()
+
+
 class LoRARegistry:
     """The LoRA adapters the server serves, by the name a request's `model` field gives (`--lora-modules`,
     `/v1/load_lora_adapter`). Each registration takes a fresh id, never reused: an adapter loaded again under an
@@ -139,9 +143,8 @@ class LoRARegistry:
             raise ApiError(400, str(error), param="lora_path") from error
 
     def check_name(self, name: str) -> None:
-        if not name or name != name.strip():
-            message = f"lora_name must be a non-empty name without surrounding whitespace, got {name!r}"
-            raise ApiError(400, message, param="lora_name")
+        if not _NAMES.admits(name):  # the rule --lora-modules' names follow
+            raise ApiError(400, f"lora_name must be {_NAMES.describe()}, got {name!r}", param="lora_name")
         if name in self.base_names or name in self._adapters:
             message = f"lora_name {name!r} is already served: unload it first or pick another name"
             raise ApiError(400, message, param="lora_name")
