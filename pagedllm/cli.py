@@ -114,9 +114,16 @@ def run_chat(args: argparse.Namespace) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     # Imported here: the web stack costs start-up time that generate and chat need not pay.
+    engine_options, options = option_values(EngineConfig, args), ServeOptions(**option_values(ServeOptions, args))
+    if engine_options.get("distributed_executor_backend") == "ray":
+        from pagedllm.entrypoints.ray_serve import serve_on_ray
+
+        return serve_on_ray(engine_options, options)
+    if options.data_parallel_size > 1 or options.ray_address is not None or options.max_replicas is not None:
+        raise ValueError("--data-parallel-size, --ray-address and autoscaling need --distributed-executor-backend ray")
     from pagedllm.entrypoints.openai.api_server import serve
 
-    return serve(option_values(EngineConfig, args), ServeOptions(**option_values(ServeOptions, args)))
+    return serve(engine_options, options)
 
 
 def run_worker(args: argparse.Namespace) -> int:

@@ -43,6 +43,7 @@ QUANTIZATIONS = ("int8", "int4")
 KV_CACHE_DTYPES = ("auto", "int8")
 DEVICES = ("cpu", "cuda")
 # uvicorn's levels less its "trace": the same flag sets Python's logging, which has no such level.
+EXECUTOR_BACKENDS = ("mp", "ray")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 _DTYPES = {
@@ -154,6 +155,12 @@ class EngineConfig:
     )
     threads_per_worker: int | None = option(
         None, "torch threads of each rank (default: the cores divided among them)", domain=POSITIVE_INTS
+    )
+    distributed_executor_backend: str = option(
+        "mp",
+        "how the ranks run: mp (processes on this machine, `pagedllm worker` on the others) or ray (Ray actors in a "
+        "placement group; with `serve`, also what runs --data-parallel-size replicas)",
+        domain=Choices(EXECUTOR_BACKENDS),
     )
     distributed_timeout: float = option(
         120.0, "seconds a rank waits for the others (start-up, each step) before the engine fails", domain=WAITS
@@ -289,6 +296,21 @@ class ServeOptions:
         "LoRA adapters served from the start, each name=path (a PEFT folder); a request's model field names one "
         "(needs --enable-lora)",
         domain=Tuples(LoRAModules()),
+    )
+
+    # Replicas on Ray Serve (`--distributed-executor-backend ray`).
+    data_parallel_size: int = option(
+        1, "engine replicas behind the one endpoint (needs the ray backend)", domain=POSITIVE_INTS
+    )
+    ray_address: str | None = option(
+        None, "the Ray cluster to run on (default: start a local one and stop it on exit)", domain=Texts()
+    )
+    min_replicas: int | None = option(
+        None, "autoscale the replicas from this many (with --max-replicas)", domain=POSITIVE_INTS
+    )
+    max_replicas: int | None = option(None, "autoscale the replicas up to this many", domain=POSITIVE_INTS)
+    target_ongoing_requests: float = option(
+        16.0, "autoscaling adds replicas while each has more requests in flight than this", domain=Reals(0.1, 1e6)
     )
 
     def __post_init__(self) -> None:

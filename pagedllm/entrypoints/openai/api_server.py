@@ -16,7 +16,7 @@ import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -52,29 +52,47 @@ def serve(engine_options: dict[str, Any], options: ServeOptions) -> int:
     """Start the engine core (its own process, see `engine_core.py`) and serve until SIGTERM or SIGINT; then
     finish or abort in-flight requests and return 0. If the engine cannot continue (a tensor-parallel rank
     died, or the core process did), fail its requests, stop, and return 1."""
-    options = replace(options, served_model_names=options.model_names(engine_options.get("model")))
-    loras = LoRARegistry(bool(engine_options.get("enable_lora")), options.served_model_names)
-    try:
-        modules = [loras.new(name, path) for name, path in options.lora_module_paths()]
-    except ApiError as error:
-        raise ValueError(f"--lora-modules: {error}") from error
-    engine = AsyncLLMEngine(engine_options, ServerMetrics(), options.max_waiting_requests, modules)
-    for module in modules:
-        loras.add(module)
-    app = build_app(engine, partial(render_chat, engine.tokenizer), options, loras)
-    mount_kv_page(app, engine.kv_monitor)  # after build_app: its query-key middleware runs before the key check
+    server = build_server(engine_options, options)
+    options = server.options
     config = uvicorn.Config(
-        app,
+        server.app,
         host=options.host,
         port=options.port,
         log_level=options.log_level.lower(),
         timeout_graceful_shutdown=math.ceil(options.shutdown_grace_s + _SHUTDOWN_BACKSTOP_S),
     )
     banner = f"pagedllm: serving {options.served_model_names[0]} on http://{options.host}:{options.port}"
-    server = _Server(config, on_exit=partial(engine.drain, options.shutdown_grace_s), banner=banner)
-    engine.on_fatal = server.fail
-    server.run()
-    return server.exit_code
+    engine = server.engine
+    uvicorn_server = _Server(config, on_exit=partial(engine.drain, options.shutdown_grace_s), banner=banner)
+    engine.on_fatal = uvicorn_server.fail
+    uvicorn_server.run()
+    return uvicorn_server.exit_code
+
+
+@dataclass(frozen=True, slots=True)
+class Server:
+    """One engine behind its app: what `pagedllm serve` runs under uvicorn, and each Ray Serve replica in-process."""
+
+    app: FastAPI
+    engine: AsyncLLMEngine
+    options: ServeOptions  # with the served model names filled in
+
+
+def build_server(engine_options: dict[str, Any], options: ServeOptions, start_method: str = "fork") -> Server:
+    """Start the engine core (loading `--lora-modules` in it) and build the app over it. `start_method`: how the
+    core's process starts (`fork` unless threads already run in this process)."""
+    options = replace(options, served_model_names=options.model_names(engine_options.get("model")))
+    loras = LoRARegistry(bool(engine_options.get("enable_lora")), options.served_model_names)
+    try:
+        modules = [loras.new(name, path) for name, path in options.lora_module_paths()]
+    except ApiError as error:
+        raise ValueError(f"--lora-modules: {error}") from error
+    engine = AsyncLLMEngine(engine_options, ServerMetrics(), options.max_waiting_requests, modules, start_method)
+    for module in modules:
+        loras.add(module)
+    app = build_app(engine, partial(render_chat, engine.tokenizer), options, loras)
+    mount_kv_page(app, engine.kv_monitor)  # after build_app: its query-key middleware runs before the key check
+    return Server(app, engine, options)
 
 
 class _Server(uvicorn.Server):

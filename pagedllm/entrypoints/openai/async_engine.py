@@ -135,11 +135,13 @@ class AsyncLLMEngine:
         metrics: ServerMetrics,
         max_waiting: int,
         loras: Sequence[LoRARequest] = (),
+        start_method: str = "fork",
     ) -> None:
         """Start the engine core and wait until it is ready, with `loras` loaded. Raises what building the
         engine or loading an adapter raises (ValueError for bad options or a bad adapter, FileNotFoundError for a
         missing model), or EngineStartError. `max_waiting`: requests waiting for their first token at which the
-        server is `overloaded`."""
+        server is `overloaded`. `start_method`: the core's process is forked unless threads already run here (a
+        Ray actor's), where only a spawned one is safe."""
         self.metrics = metrics
         self.max_waiting = max_waiting
         self.num_waiting = 0  # requests accepted here whose first token has not arrived
@@ -156,10 +158,10 @@ class AsyncLLMEngine:
         self._dead = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outbox: queue.SimpleQueue[object] = queue.SimpleQueue()
-        # Forked, not spawned: the core starts with this process's imports (torch, transformers) done instead of
-        # importing them again, seconds of start-up. Safe here: nothing has started a thread yet (the reader,
-        # the writer, uvicorn's loop and the tokenizer's pool all start after), so no lock is copied held.
-        context = multiprocessing.get_context("fork")
+        # Forked by `pagedllm serve`: the core starts with this process's imports (torch, transformers) done
+        # instead of importing them again, seconds of start-up. Safe there: nothing has started a thread yet (the
+        # reader, the writer, uvicorn's loop and the tokenizer's pool all start after), so no lock is copied held.
+        context = multiprocessing.get_context(start_method)
         self._conn, child_conn = context.Pipe()
         self._process = context.Process(
             target=run_engine_core,
@@ -260,16 +262,28 @@ class AsyncLLMEngine:
         first; no answer is awaited, since the server's registry has dropped the name already."""
         self._send(RemoveLoRA(lora_int_id))
 
+    @property
+    def num_unfinished(self) -> int:
+        """Requests accepted here that have not finished."""
+        return len(self._live)
+
     async def refresh_stats(self) -> None:
         """Bring the engine gauges up to date: the core answers after the commands sent before this one (an
         abort the server just sent is in them), at most a step from now. A dead core leaves them as they are."""
+        if self.is_running and not await self.responsive(_STATS_TIMEOUT_S):
+            logger.warning("the engine core did not report its stats within %.0f s", _STATS_TIMEOUT_S)
+
+    async def responsive(self, timeout_s: float) -> bool:
+        """Whether the core answers a stats request within `timeout_s`: false for a core that is dead, or alive but
+        stalled (its stepping thread stuck, the process stopped)."""
         if not self.is_running:
-            return
+            return False
         key = next(self._keys)
         try:
-            await asyncio.wait_for(self._ask(key, StatsRequest(key)), _STATS_TIMEOUT_S)
+            await asyncio.wait_for(self._ask(key, StatsRequest(key)), timeout_s)
         except TimeoutError:
-            logger.warning("the engine core did not report its stats within %.0f s", _STATS_TIMEOUT_S)
+            return False
+        return True
 
     def drain(self, grace_seconds: float) -> None:
         """Refuse new requests, let running ones finish for `grace_seconds`, then abort what is left (their

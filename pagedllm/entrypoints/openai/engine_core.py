@@ -21,8 +21,10 @@ pipe closes (the server's process is gone).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -44,6 +46,7 @@ from pagedllm.sequence import SequenceStatus
 logger = logging.getLogger(__name__)
 
 _STATS_INTERVAL_S = 0.05
+_PR_SET_PDEATHSIG = 1  # prctl(2)
 EngineParams = SamplingParams | BeamSearchParams
 
 
@@ -167,6 +170,7 @@ def run_engine_core(conn: Connection, engine_options: dict[str, Any], loras: lis
     # the server's process decides how in-flight requests end, and stops the core (or its pipe closes).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _die_with_parent()
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
     started = time.perf_counter()
     try:
@@ -182,6 +186,13 @@ def run_engine_core(conn: Connection, engine_options: dict[str, Any], loras: lis
         core.run()
     finally:
         engine.shutdown()
+
+
+def _die_with_parent() -> None:
+    """Have Linux kill this process when the server's process dies: a core that is stopped (SIGSTOP, a debugger)
+    never reads the closed pipe, and a supervisor that replaces the server must not leave it behind."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 class EngineCore:

@@ -119,6 +119,8 @@ _GAUGES = {
 # Counter name -> (EngineStats total, help); vLLM's names for speculative decoding's.
 _TOTALS = {
     "num_preemptions": ("num_preemptions", "Sequences preempted"),
+    "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache (vLLM's counter)"),
+    "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache (vLLM's counter)"),
     "spec_decode_num_drafts": ("spec_num_drafts", "Speculative proposals checked"),
     "spec_decode_num_draft_tokens": ("spec_num_draft_tokens", "Tokens speculated"),
     "spec_decode_num_accepted_tokens": ("spec_num_accepted_tokens", "Speculated tokens the target accepted"),

@@ -1,0 +1,291 @@
+"""`Front`: the Ray Serve ingress. It takes every HTTP request, hashes a generating request's prompt (its first
+blocks, as the replicas' prefix caches chain them) for the router, and carries the request to an engine replica.
+
+Answers come back as the replica's app made them. A replica whose engine died fails its in-flight requests: a
+stream ends with an SSE error event, a whole answer with a 503; a whole answer that produced nothing is tried
+once more on another replica, and the failed replica is avoided until Serve replaces it. `/metrics` gathers every
+replica's metrics with a `replica` label (and the router's decisions), `/health` is 200 while any replica's
+engine runs, and `/replicas/{i}/...` reaches replica `i` (in the order of their ids): `/replicas/0/kv` is its
+KV page.
+"""
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from ray.exceptions import RayActorError
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+
+from pagedllm.engine import tokenize_prompt
+from pagedllm.entrypoints.llm import render_chat
+from pagedllm.entrypoints.openai import protocol, tool_parsers
+from pagedllm.entrypoints.openai.metrics import METRICS_CONTENT_TYPE
+from pagedllm.entrypoints.ray_serve import state
+from pagedllm.entrypoints.ray_serve.forward import ForwardedRequest, ResponseEnd, ResponseStart
+from pagedllm.entrypoints.ray_serve.router import prompt_prefix
+
+logger = logging.getLogger(__name__)
+
+ENGINE_DEPLOYMENT = "PagedLLMEngine"
+REPLICA_HEADER = "x-pagedllm-replica"
+_METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"]
+_GENERATING = {"/v1/completions": protocol.CompletionRequest, "/v1/chat/completions": protocol.ChatCompletionRequest}
+_ADAPTER_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+_PER_REPLICA_S = 10.0  # how long /metrics and /health wait for one replica
+_FAILURES = (RayActorError, BackPressureError)
+
+# The replicas' own schema and docs answer /openapi.json and /docs (the front's catch-all forwards them).
+app = FastAPI(title="pagedllm on Ray", openapi_url=None, docs_url=None, redoc_url=None)
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+
+async def _forwarded(request: Request, path: str | None = None) -> ForwardedRequest:
+    scope = request.scope
+    return ForwardedRequest(
+        request.method, path or scope["path"], scope["query_string"], list(scope["headers"]), await request.body()
+    )
+
+
+def _prompt_tokens(tokenizer: Any, body: protocol.CompletionRequest | protocol.ChatCompletionRequest) -> list[int]:
+    if isinstance(body, protocol.ChatCompletionRequest):
+        offered = body.tools and body.tool_choice != "none"
+        tools = [tool.model_dump() for tool in body.tools] if offered else None
+        conversation, tools = tool_parsers.conversation(body.messages, tools, tokenizer.chat_template)
+        return render_chat(tokenizer, conversation, body.add_generation_prompt, tools)["prompt_token_ids"]
+    prompt = body.prompt[0] if isinstance(body.prompt, list) and body.prompt else body.prompt
+    if isinstance(prompt, list):  # token ids
+        return list(prompt)
+    return tokenize_prompt(tokenizer, prompt)[1]
+
+
+def _is_stream(start: ResponseStart) -> bool:
+    return any(name == b"content-type" and value.startswith(b"text/event-stream") for name, value in start.headers)
+
+
+def _headers(start: ResponseStart) -> dict[str, str]:
+    """The replica's headers, and which replica answered (`x-pagedllm-replica`)."""
+    skip = {b"content-length", b"transfer-encoding", b"connection"}
+    headers = {name.decode(): value.decode() for name, value in start.headers if name.lower() not in skip}
+    return headers | {REPLICA_HEADER: start.replica}
+
+
+async def _whole(rest: DeploymentResponseGenerator) -> tuple[bytes, ResponseEnd | None]:
+    """The rest of an answer: its body, and the replica's end (None when the replica died meanwhile)."""
+    chunks, end = [], None
+    try:
+        async for item in rest:
+            if isinstance(item, ResponseEnd):
+                end = item
+            else:
+                chunks.append(item)
+    except _FAILURES:
+        pass
+    return b"".join(chunks), end
+
+
+async def _streamed(rest: DeploymentResponseGenerator, replica: str) -> AsyncIterator[bytes]:
+    """A stream's chunks; if the replica itself dies mid-stream, an SSE error event ends it."""
+    try:
+        async for item in rest:
+            if not isinstance(item, ResponseEnd):
+                yield item
+    except _FAILURES as error:
+        state.FAILED.add(replica)
+        message = f"replica {replica} died while streaming: {error}"
+        yield f"data: {json.dumps(_error(message, 'server_error', None))}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+    finally:
+        rest.cancel()  # the client left early: the replica's app sees the disconnect and aborts
+
+
+def _error(message: str, kind: str, param: str | None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+def _unavailable(message: str) -> JSONResponse:
+    response = JSONResponse(_error(message, "server_error", None), status_code=503)
+    response.headers["Retry-After"] = "1"
+    return response
+
+
+def _replica_died(replica: str) -> JSONResponse:
+    return _unavailable(f"replica {replica}'s engine died while serving the request; retry")
+
+
+def label_samples(exposition: str, replica: str) -> str:
+    """Prometheus text with `replica="..."` added to every sample's labels."""
+    lines = []
+    for line in exposition.splitlines():
+        if line and not line.startswith("#"):
+            name, _, rest = line.partition(" ")
+            if "{" in name or rest.startswith("{"):
+                line = line.replace("{", f'{{replica="{replica}",', 1)
+            else:
+                line = f'{name}{{replica="{replica}"}} {rest}'
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def merge_expositions(parts: list[str]) -> str:
+    """Several expositions as one: each metric's HELP and TYPE once, its samples from every part together."""
+    families: dict[str, list[str]] = {}
+    current = ""
+    for part in parts:
+        for line in part.splitlines():
+            if line.startswith("# HELP ") or line.startswith("# TYPE "):
+                current = line.split(" ", 3)[2]
+                family = families.setdefault(current, [])
+                if line not in family:
+                    family.append(line)
+            elif line:
+                families.setdefault(current, []).append(line)
+    return "".join(line + "\n" for family in families.values() for line in family)
+
+
+# Serve ships this class by value (its globals copied), so it reaches the router's shared state as `state.NAME`.
+@serve.ingress(app)
+class Front:
+    async def __init__(self, engines: DeploymentHandle, block_size: int) -> None:
+        self.engines = engines
+        self.block_size = block_size
+        # The first call also starts this process's router, which the aggregated routes list replicas through.
+        described = await engines.describe.remote()
+        self._tokenizer, self._names = described["tokenizer"], described["served_model_names"]
+
+    @app.api_route("/replicas/{index}/{path:path}", methods=_METHODS)
+    async def per_replica(self, request: Request, index: int, path: str) -> Response:
+        replicas = self._replicas()
+        if not 0 <= index < len(replicas):
+            message = f"no replica {index}: {len(replicas)} are running"
+            return JSONResponse(_error(message, "invalid_request_error", "replica"), status_code=404)
+        forwarded = await _forwarded(request, path="/" + path)
+        return await self._answer(forwarded, replica=replicas[index])
+
+    async def _answer(self, request: ForwardedRequest, retry: bool = False, **routing: Any) -> Response:
+        answer = await self._start(request, **routing)
+        if isinstance(answer, Response):
+            return answer
+        start, rest = answer
+        if _is_stream(start):
+            return StreamingResponse(_streamed(rest, start.replica), start.status, _headers(start))
+        body, end = await _whole(rest)
+        dead = end is None or not end.engine_alive
+        if dead:
+            state.FAILED.add(start.replica)
+        if dead and start.status >= 500:
+            if retry:
+                logger.warning("replica %s failed a request; trying another replica", start.replica)
+                return await self._answer(request, avoid=[start.replica], prefix=routing.get("prefix"))
+            return _replica_died(start.replica)
+        return Response(body, start.status, _headers(start))
+
+    async def _start(
+        self, request: ForwardedRequest, **routing: Any
+    ) -> tuple[ResponseStart, DeploymentResponseGenerator] | Response:
+        try:
+            stream = self.engines.options(stream=True).handle.remote(request, **routing)
+            first = await stream.__anext__()
+        except _FAILURES as error:
+            return _unavailable(f"no replica could take the request: {error}")
+        return first, stream
+
+    async def _broadcast(self, request: ForwardedRequest) -> Response:
+        """An adapter loaded or unloaded on every running replica; the first failure is the answer."""
+        answers = [await self._answer(request, replica=replica) for replica in self._replicas()]
+        failed = [answer for answer in answers if answer.status_code >= 400]
+        return (failed or answers)[0] if answers else _unavailable("no replica is running")
+
+    # ---- the router's input ------------------------------------------------------------------
+
+    async def _prefix(self, request: ForwardedRequest) -> list[int] | None:
+        """The prompt's leading block hashes, or None when the body is not one the replicas would run (they
+        answer it with its error)."""
+        kind = _GENERATING.get(request.path)
+        if kind is None or request.method != "POST":
+            return None
+        try:
+            body = kind.model_validate_json(request.body)
+            token_ids = await asyncio.to_thread(_prompt_tokens, self._tokenizer, body)
+        except Exception:  # an invalid request is the replica's to refuse, with the right error
+            return None
+        salt = json.dumps([body.cache_salt, body.model]) if body.model not in self._names else body.cache_salt
+        return prompt_prefix(token_ids, self.block_size, salt)
+
+    def _replicas(self) -> list[str]:
+        router = state.ROUTERS.get(ENGINE_DEPLOYMENT)
+        return router.replica_ids() if router is not None else []
+
+    # ---- replicas together ------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health(self) -> JSONResponse:
+        """200 while some replica's engine runs (the body lists each replica's), else 503."""
+        replicas = self._replicas()
+        # One replica after another: Serve gives the calls one HTTP request makes the same internal id, and routes
+        # concurrent ones of them by it.
+        states = [await self._replica_health(replica) for replica in replicas]
+        alive = sum(state == "ok" or state == "overloaded" for state in states)
+        body = {"status": "ok" if alive else "dead", "replicas": dict(zip(replicas, states, strict=True))}
+        return JSONResponse(body, status_code=200 if alive else 503)
+
+    async def _replica_health(self, replica: str) -> str:
+        try:
+            answer = await asyncio.wait_for(self._get(replica, "/health"), _PER_REPLICA_S)
+        except (TimeoutError, *_FAILURES):
+            return "unreachable"
+        return json.loads(answer)["status"]
+
+    @app.get("/metrics")
+    async def metrics(self) -> Response:
+        """Every replica's metrics, each sample labelled with its replica, then the router's counts."""
+        replicas = self._replicas()
+        parts = []
+        for replica in replicas:  # one after another, as in health()
+            with contextlib.suppress(TimeoutError, *_FAILURES):
+                text = await asyncio.wait_for(self._get(replica, "/metrics"), _PER_REPLICA_S)
+                parts.append(label_samples(text.decode(), replica))
+        parts.append(self._router_metrics())
+        return Response(merge_expositions(parts), media_type=METRICS_CONTENT_TYPE)
+
+    def _router_metrics(self) -> str:
+        router = state.ROUTERS.get(ENGINE_DEPLOYMENT)
+        if router is None:
+            return ""
+        counts = router.counts
+        lines = [
+            "# HELP pagedllm:router_decisions_total Requests the router sent by prefix, by load, or to a named replica",
+            "# TYPE pagedllm:router_decisions_total counter",
+        ]
+        lines += [f'pagedllm:router_decisions_total{{by="{how}"}} {n}' for how, n in counts.decisions.items()]
+        lines += [
+            "# HELP pagedllm:router_requests_total Requests the router sent to each replica by prefix or load",
+            "# TYPE pagedllm:router_requests_total counter",
+        ]
+        lines += [f'pagedllm:router_requests_total{{replica="{r}"}} {n}' for r, n in sorted(counts.per_replica.items())]
+        return "\n".join(lines) + "\n"
+
+    async def _get(self, replica: str, path: str) -> bytes:
+        request = ForwardedRequest("GET", path, b"", [], b"")
+        answer = await self._start(request, replica=replica)
+        if isinstance(answer, Response):
+            raise RayActorError()
+        body, _ = await _whole(answer[1])
+        return body
+
+    # Declared last: FastAPI tries routes in order, and this one takes every path.
+    @app.api_route("/{path:path}", methods=_METHODS)
+    async def forward(self, request: Request, path: str) -> Response:
+        forwarded = await _forwarded(request)
+        if forwarded.path in _ADAPTER_PATHS:
+            return await self._broadcast(forwarded)
+        prefix = await self._prefix(forwarded)
+        return await self._answer(forwarded, prefix=prefix, retry=True)
