@@ -225,6 +225,8 @@ class EngineConfig:
             settings = speculative.SpeculativeConfig.from_dict(self.speculative_config)
             if settings.model is not None and self.tensor_parallel_size > 1:
                 raise ValueError("speculative_config: a draft model runs on one rank only (tensor_parallel_size 1)")
+        if self.distributed_executor_backend == "ray" and self.nnodes > 1:
+            raise ValueError("with distributed_executor_backend ray, Ray places the ranks: leave nnodes at 1")
         if self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank must be below nnodes ({self.nnodes}), got {self.node_rank}")
         # Every node runs the same number of ranks (`worker.group.follower_specs`).

@@ -18,6 +18,9 @@ import httpx
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.config import EngineConfig, ServeOptions
+from pagedllm.entrypoints.ray_serve import check_replica_options, scaling
+from pagedllm.entrypoints.ray_serve.router import PREFIX_BLOCKS, PrefixIndex, prompt_prefix
 from tests.test_server import ServerProcess, free_port, sse_data
 
 MODEL_FLAGS = ["--dtype", "float32", "--num-kv-blocks", "256", "--max-num-seqs", "16", "--served-model-name", "m"]
@@ -216,3 +219,45 @@ def test_killed_engine_fails_fast_and_is_replaced(ray_server: ServerProcess):
     assert all(
         complete(ray_server, PROMPTS[0], path=f"/replicas/{i}/v1/completions").status_code == 200 for i in (0, 1)
     )
+
+
+# ---- without a cluster ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("salt", [None, "tenant-a"])
+def test_the_fronts_hashes_are_the_blocks_the_engine_reports(tiny_llama, salt):
+    """Routing rests on this: the front's hashes of a prompt's first blocks are the hashes the replica's engine
+    stores them under (its KV events), with the cache salt; a block past the routed prefix is not indexed."""
+    llm = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=64)
+    index = PrefixIndex()
+    llm.engine.add_kv_event_sink(index.apply)
+    prompt = " ".join(SYSTEMS * 2)
+    token_ids = llm.engine.tokenizer.encode(prompt)
+    assert len(token_ids) >= (PREFIX_BLOCKS + 1) * 16
+    llm.generate([{"prompt": prompt, "cache_salt": salt}], SamplingParams(max_tokens=1))
+    routed = prompt_prefix(token_ids, 16, salt)
+    assert len(routed) == PREFIX_BLOCKS
+    assert sorted(index.hashes()) == sorted(routed)
+    assert prompt_prefix(token_ids, 16, "another salt")[0] not in index.hashes()
+
+
+def test_replica_options():
+    fixed = ServeOptions(data_parallel_size=3)
+    assert scaling(fixed) == {"num_replicas": 3}
+    auto = scaling(ServeOptions(min_replicas=1, max_replicas=4, target_ongoing_requests=8.0, data_parallel_size=2))
+    assert auto["autoscaling_config"] == {
+        "min_replicas": 1,
+        "max_replicas": 4,
+        "initial_replicas": 2,
+        "target_ongoing_requests": 8.0,
+    }
+    with pytest.raises(ValueError, match="needs both"):
+        check_replica_options(EngineConfig(model=None), ServeOptions(min_replicas=2))
+    with pytest.raises(ValueError, match="above --max-replicas"):
+        check_replica_options(EngineConfig(model=None), ServeOptions(min_replicas=3, max_replicas=2))
+
+
+def test_replicas_need_the_ray_backend(tiny_llama):
+    command = [sys.executable, "-m", "pagedllm", "serve", "--model", str(tiny_llama), "--data-parallel-size", "2"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "--distributed-executor-backend ray" in done.stderr

@@ -30,7 +30,7 @@ from pagedllm.domains import NON_NEGATIVE_INTS, POSITIVE_INTS, SEEDS, FilePaths,
 
 _TIMEOUT_S = 6 * 3600  # as vLLM: a saturated server may take long, and the benchmark measures it, not us
 # Synthetic prompts draw words from this text: no dataset to download, and any tokenizer reads them.
-_TEXT = (
+SYNTHETIC_TEXT = (
     "the quick brown fox jumps over a lazy dog while paged attention keeps every key and value in small fixed "
     "blocks so that many requests share one pool and the scheduler admits new work at each step"
 )
@@ -123,7 +123,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
 
 async def run_benchmark(config: BenchConfig) -> dict:
     rng = random.Random(config.seed)
-    words = _TEXT.split()
+    words = SYNTHETIC_TEXT.split()
     prompts = [" ".join(rng.choices(words, k=config.input_len)) for _ in range(config.num_prompts)]
     # Drawn after the measured prompts: the same seed measures the same requests with or without warm-ups.
     warmups = [" ".join(rng.choices(words, k=config.input_len)) for _ in range(config.num_warmups)]
@@ -171,7 +171,7 @@ async def _send_all(client: httpx.AsyncClient, payloads: list[dict], offsets: li
     for payload, offset in zip(payloads, offsets, strict=True):
         # Sleep to absolute send times, so the time spent starting requests does not stretch the gaps.
         await asyncio.sleep(max(started + offset - time.perf_counter(), 0.0))
-        tasks.append(asyncio.create_task(_one_request(client, payload)))
+        tasks.append(asyncio.create_task(send_request(client, payload)))
     return await asyncio.gather(*tasks)
 
 
@@ -189,7 +189,7 @@ def _payload(config: BenchConfig, model: str, prompt: str) -> dict:
     return payload
 
 
-async def _one_request(client: httpx.AsyncClient, payload: dict) -> RequestResult:
+async def send_request(client: httpx.AsyncClient, payload: dict) -> RequestResult:
     result = RequestResult()
     started = last = time.perf_counter()
     try:

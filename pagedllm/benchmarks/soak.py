@@ -42,7 +42,7 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagedllm.benchmarks.serve import _TEXT, _first_model, _sse_data
+from pagedllm.benchmarks.serve import SYNTHETIC_TEXT, _first_model, _sse_data
 from pagedllm.config import DTypes
 from pagedllm.domains import (
     INT64_MAX,
@@ -412,7 +412,7 @@ def _chat_fields(rng: random.Random) -> dict:
 
 
 def _prompt(rng: random.Random) -> str:
-    words = _TEXT.split()
+    words = SYNTHETIC_TEXT.split()
     # Most prompts are short; one in ten runs to a few hundred tokens, so prefill chunks and the prefix cache
     # see long sequences come and go.
     length = rng.randint(150, 300) if rng.random() < 0.1 else rng.randint(3, 24)

@@ -1,13 +1,14 @@
 """The processes of tensor parallelism: on node 0 the engine starts its node's other ranks, joins the
-group as rank 0 and stops them; on nodes 1 .. `pagedllm worker` starts that node's ranks. With one rank
+group as rank 0 and stops them; on nodes 1 .. `pagedllm worker` starts that node's ranks. With the ray
+backend, ranks 1 .. are Ray actors wherever the cluster places them (`ray_ranks.py`). With one rank
 there is no group and nothing to stop."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -18,6 +19,9 @@ from pagedllm.models.loader import resolve_model_folder
 from pagedllm.models.tensor_parallel import check_divisible
 from pagedllm.worker.cache_engine import KVShape
 from pagedllm.worker.launcher import Followers, FollowerSpec, check_port_free, free_port, threads_per_rank
+
+if TYPE_CHECKING:
+    from pagedllm.worker.ray_ranks import RayFollowers
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +109,7 @@ class Leader(Protocol):
 @dataclass
 class TensorParallelGroup:
     shard: parallel.Shard | None = None
-    followers: Followers | None = None
+    followers: Followers | RayFollowers | None = None
     stopped: bool = field(default=False)
     broken: bool = field(default=False)  # a step failed: the ranks may be mid-collective, no stop message
 
@@ -120,11 +124,16 @@ class TensorParallelGroup:
         if config.node_rank != 0:
             raise ValueError("the engine runs on node 0; other nodes run `pagedllm worker --node-rank K`")
         check_divisible(model_config, world)  # before any process starts
+        on_ray = config.distributed_executor_backend == "ray"
+        if on_ray:  # the actors may run on other nodes: they meet rank 0 at its node's address
+            from pagedllm.worker.ray_ranks import RayFollowers, node_address
+
+            config = replace(config, master_addr=node_address())
         port = config.master_port if config.master_port is not None else free_port(config.master_addr)
         if config.nnodes == 1:  # on several nodes the port is the one every node was given
             check_port_free(config.master_addr, port)
         specs = follower_specs(config, folder, pool, port)
-        followers = Followers(specs[1:])
+        followers = RayFollowers(specs[1:]) if on_ray else Followers(specs[1:])
         torch.set_num_threads(specs[0].threads)
         rendezvous = parallel.Rendezvous(config.master_addr, port, config.distributed_timeout)
         try:

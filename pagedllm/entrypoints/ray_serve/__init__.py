@@ -54,7 +54,7 @@ def application(engine_options: dict[str, Any], options: ServeOptions) -> Applic
     engines = serve.deployment(
         EngineReplica,
         name=ENGINE_DEPLOYMENT,
-        ray_actor_options={"num_cpus": threads * config.tensor_parallel_size},
+        ray_actor_options={"num_cpus": threads},  # rank 0's: ranks 1.. are actors with their own (ray_ranks.py)
         max_ongoing_requests=options.max_waiting_requests,
         health_check_period_s=_HEALTH_PERIOD_S,
         health_check_timeout_s=_HEALTH_TIMEOUT_S,
@@ -76,11 +76,6 @@ def check_replica_options(config: EngineConfig, options: ServeOptions) -> None:
         raise ValueError("autoscaling needs both --min-replicas and --max-replicas")
     if options.min_replicas is not None and options.min_replicas > options.max_replicas:
         raise ValueError(f"--min-replicas ({options.min_replicas}) is above --max-replicas ({options.max_replicas})")
-    if config.tensor_parallel_size > 1:
-        raise ValueError(
-            "tensor parallelism inside a Ray Serve replica is not built yet: "
-            "use --tensor-parallel-size 1 with --distributed-executor-backend ray"
-        )
 
 
 def scaling(options: ServeOptions) -> dict[str, Any]:

@@ -10,9 +10,11 @@ Serve replaces it.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
+import ray
 from ray import serve
 
 from pagedllm.config import ServeOptions
@@ -27,6 +29,8 @@ _RESPONSIVE_S = 10.0  # an engine core that does not answer a stats request this
 
 class EngineReplica:
     async def __init__(self, engine_options: dict[str, Any], options: ServeOptions) -> None:
+        # The core's tensor-parallel ranks 1.. (Ray actors) join this replica's cluster.
+        os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
         self.server = build_server(engine_options, options, start_method="spawn")
         self.engine = self.server.engine
         self.name = serve.get_replica_context().replica_id.unique_id
