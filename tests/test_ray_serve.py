@@ -4,6 +4,7 @@ replica whose engine is killed fails its requests fast and is replaced, and noth
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -19,6 +20,8 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig, ServeOptions
+from pagedllm.entrypoints.openai.async_engine import AsyncLLMEngine
+from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.ray_serve import check_replica_options, scaling
 from pagedllm.entrypoints.ray_serve.router import PREFIX_BLOCKS, PrefixIndex, prompt_prefix
 from tests.test_server import ServerProcess, free_port, sse_data
@@ -41,7 +44,7 @@ def ray_processes() -> list[str]:
     return [line for line in found if any(marker in line for marker in markers)]
 
 
-def start_ray_server(model: Path, log: Path, *flags: str) -> ServerProcess:
+def start_ray_server(model: Path, log: Path, *flags: str, replicas: int = 2) -> ServerProcess:
     port = free_port()
     command = [sys.executable, "-m", "pagedllm", "serve", "--model", str(model), "--port", str(port), *MODEL_FLAGS]
     command += ["--distributed-executor-backend", "ray", *flags]
@@ -49,7 +52,7 @@ def start_ray_server(model: Path, log: Path, *flags: str) -> ServerProcess:
         process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
     server = ServerProcess(process, f"http://127.0.0.1:{port}", log)
     try:
-        wait_replicas(server, 2, timeout=180)
+        wait_replicas(server, replicas, timeout=180)
     except AssertionError:
         stop_ray_server(server)
         raise
@@ -261,3 +264,22 @@ def test_replicas_need_the_ray_backend(tiny_llama):
     command = [sys.executable, "-m", "pagedllm", "serve", "--model", str(tiny_llama), "--data-parallel-size", "2"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "--distributed-executor-backend ray" in done.stderr
+
+
+def test_a_stopped_engine_core_fails_the_health_check_a_replica_answers_serve(tiny_llama):
+    """A replica's health check asks its core to answer (`responsive`): a core that is alive but stopped does not."""
+
+    async def check() -> None:
+        options = {"model": str(tiny_llama), "dtype": "float32", "num_kv_blocks": 64}
+        engine = AsyncLLMEngine(options, ServerMetrics(), max_waiting=16, start_method="spawn")
+        engine.start()
+        try:
+            assert await engine.responsive(10.0)
+            os.kill(engine.core_pid, signal.SIGSTOP)
+            assert engine.is_running and not await engine.responsive(1.0)
+            os.kill(engine.core_pid, signal.SIGCONT)
+            assert await engine.responsive(10.0)
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(check())

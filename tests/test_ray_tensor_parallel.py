@@ -1,5 +1,6 @@
-"""Tensor parallelism on Ray (`distributed_executor_backend="ray"`): rank 0 in this process, rank 1 a Ray actor
-on another logical node of a local cluster (the head offers no CPU, so the rank's bundle cannot land there)."""
+"""Tensor parallelism on Ray (`distributed_executor_backend="ray"`): rank 0 in the engine's process, rank 1 a Ray
+actor. Served, in a replica whose killed rank gets it replaced; offline, on another logical node of a local cluster
+(the head offers no CPU, so the rank's bundle cannot land there)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,32 @@ from ray.cluster_utils import Cluster
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine import EngineDeadError
+from tests.test_ray_serve import complete, ray_processes, start_ray_server, stop_ray_server, wait_replicas
 
 PROMPTS = ["The quick brown fox", "Paged attention stores the key value cache", "Hello world! Numbers like"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+
+
+def test_a_served_replica_of_two_ranks_is_replaced_when_a_rank_dies(tiny_llama, tmp_path):
+    """First in this module: its server starts a Ray of its own, and no other may run meanwhile."""
+    assert not ray_processes(), "a Ray cluster is already running here"
+    flags = ("--tensor-parallel-size", "2", "--threads-per-worker", "1")
+    server = start_ray_server(tiny_llama, tmp_path / "server.log", *flags, replicas=1)
+    try:
+        expected = LLM(model=tiny_llama, dtype="float32", num_kv_blocks=256).generate(PROMPTS, GREEDY, use_tqdm=False)
+        served = [complete(server, prompt, max_tokens=12).json()["choices"][0]["text"] for prompt in PROMPTS]
+        assert served == [o.outputs[0].text for o in expected]
+        (pid,) = rank_pids()
+        os.kill(pid, signal.SIGKILL)
+        started = time.monotonic()
+        answer = complete(server, PROMPTS[0])
+        assert answer.status_code == 503 and time.monotonic() - started < 5, answer.text
+        assert wait_replicas(server, 1, timeout=30) < 30
+        assert complete(server, PROMPTS[0]).status_code == 200
+    finally:
+        code = stop_ray_server(server, signal.SIGTERM)
+    assert code == 0, server.log.read_text()[-4000:]
+    assert not ray_processes(), "Ray processes outlived the server"
 
 
 @pytest.fixture(scope="module")

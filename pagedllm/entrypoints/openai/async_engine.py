@@ -263,6 +263,10 @@ class AsyncLLMEngine:
         self._send(RemoveLoRA(lora_int_id))
 
     @property
+    def core_pid(self) -> int:
+        return self._process.pid
+
+    @property
     def num_unfinished(self) -> int:
         """Requests accepted here that have not finished."""
         return len(self._live)

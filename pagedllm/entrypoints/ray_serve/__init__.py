@@ -104,9 +104,6 @@ def serve_on_ray(engine_options: dict[str, Any], options: ServeOptions) -> int:
     `--ray-address` (or a local one started here), serve until SIGTERM or SIGINT, then delete the application and
     stop what was started here. Returns the exit status."""
     app = application(engine_options, options)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     local = options.ray_address is None
     ray.init(
         address="local" if local else options.ray_address,
@@ -114,6 +111,9 @@ def serve_on_ray(engine_options: dict[str, Any], options: ServeOptions) -> int:
         include_dashboard=False,
         logging_level=options.log_level.upper(),
     )
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs a SIGTERM handler of its own
+        signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": options.host, "port": options.port})
         serve.run(app, name=APP_NAME, route_prefix="/")

@@ -39,8 +39,12 @@ class ResponseEnd:
     engine_alive: bool  # false: the replica's engine died, and a failed answer may be tried elsewhere
 
 
-async def run_asgi(app: ASGIApp, request: ForwardedRequest, replica: str) -> AsyncIterator[ResponseStart | bytes]:
-    """Call `app` with `request` and yield its answer: the start, then each non-empty body chunk."""
+async def run_asgi(
+    app: ASGIApp, request: ForwardedRequest, replica: str, batch_s: float = 0.0
+) -> AsyncIterator[ResponseStart | bytes]:
+    """Call `app` with `request` and yield its answer: the start, then its body. The first body chunk goes at once;
+    later ones are gathered for `batch_s` and go together (each item crosses two Ray hops, which costs more than
+    a token's bytes: Ray Serve LLM batches its streams the same way)."""
     messages: asyncio.Queue[Message | None] = asyncio.Queue()
     disconnected = asyncio.Event()
     body_sent = False
@@ -58,14 +62,16 @@ async def run_asgi(app: ASGIApp, request: ForwardedRequest, replica: str) -> Asy
 
     task = asyncio.create_task(app(_scope(request), receive, send))
     task.add_done_callback(lambda _: messages.put_nowait(None))
+    body = _Body(messages)
     try:
         while (message := await messages.get()) is not None:
             if message["type"] == "http.response.start":
                 yield ResponseStart(message["status"], list(message.get("headers", [])), replica)
             elif message["type"] == "http.response.body":
-                if message.get("body"):
-                    yield bytes(message["body"])
-                if not message.get("more_body", False):
+                chunk = await body.gather(message, batch_s if body.started else 0.0)
+                if chunk:
+                    yield chunk
+                if body.ended:
                     break
         if task.done() and task.exception() is not None:
             raise task.exception()
@@ -73,6 +79,34 @@ async def run_asgi(app: ASGIApp, request: ForwardedRequest, replica: str) -> Asy
         disconnected.set()
         with contextlib.suppress(Exception, asyncio.CancelledError):
             await asyncio.wait_for(asyncio.shield(task), _APP_EXIT_S)
+
+
+class _Body:
+    """The body messages of one answer, gathered into chunks."""
+
+    def __init__(self, messages: asyncio.Queue[Message | None]) -> None:
+        self._messages = messages
+        self.started = False
+        self.ended = False
+
+    async def gather(self, first: Message, window_s: float) -> bytes:
+        """`first`'s bytes and those of the body messages that arrive within `window_s` of it (up to the end)."""
+        parts = [first.get("body", b"")]
+        self.ended = not first.get("more_body", False)
+        deadline = asyncio.get_running_loop().time() + window_s
+        while not self.ended and (left := deadline - asyncio.get_running_loop().time()) > 0:
+            try:
+                message = await asyncio.wait_for(self._messages.get(), left)
+            except TimeoutError:
+                break
+            if message is None:  # the app returned: let the caller see it
+                self._messages.put_nowait(None)
+                break
+            parts.append(message.get("body", b""))
+            self.ended = not message.get("more_body", False)
+        chunk = b"".join(parts)
+        self.started = self.started or bool(chunk)
+        return chunk
 
 
 def _scope(request: ForwardedRequest) -> dict:

@@ -25,6 +25,7 @@ from pagedllm.entrypoints.ray_serve.router import PrefixIndex
 logger = logging.getLogger(__name__)
 
 _RESPONSIVE_S = 10.0  # an engine core that does not answer a stats request this long has stalled
+STREAM_BATCH_S = 0.05  # a stream's chunks after its first travel together at most this often
 
 
 class EngineReplica:
@@ -49,7 +50,7 @@ class EngineReplica:
     ) -> AsyncIterator[ResponseStart | bytes | ResponseEnd]:
         """Answer one HTTP request through the app, then say whether the engine still runs. `prefix` and `routing`
         (`replica`, `avoid`) are the router's."""
-        async for item in run_asgi(self.server.app, request, self.name):
+        async for item in run_asgi(self.server.app, request, self.name, STREAM_BATCH_S):
             yield item
         yield ResponseEnd(engine_alive=not self._fatal and self.engine.is_running)
 
