@@ -212,6 +212,7 @@ def test_openvino_runs_the_workload_in_its_own_interpreter(tmp_path, monkeypatch
     assert exported[0].stat().st_mtime_ns == mtime
 
 
+@pytest.mark.slow  # half a minute; scripts/test_slow.sh runs it
 def test_the_quantized_default_in_bf16_is_checked_against_float32(tmp_path, capsys) -> None:
     """The default GGUF held quantized in bf16 is not transformers' bf16 model (which rounds the weights):
     its sample is checked against the float32 model's, where it may part at near-ties only."""

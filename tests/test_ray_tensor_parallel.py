@@ -22,6 +22,7 @@ PROMPTS = ["The quick brown fox", "Paged attention stores the key value cache", 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
 
+@pytest.mark.slow  # a second Ray server, most of a minute: scripts/test_slow.sh runs it
 def test_a_served_replica_of_two_ranks_is_replaced_when_a_rank_dies(tiny_llama, tmp_path):
     """First in this module: its server starts a Ray of its own, and no other may run meanwhile."""
     assert not ray_processes(), "a Ray cluster is already running here"

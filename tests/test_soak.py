@@ -116,6 +116,7 @@ def test_parse_metrics_keys_labelled_samples_as_the_text_spells_them():
     assert metrics["pagedllm:kv_blocks_used"] == 0.0
 
 
+@pytest.mark.slow  # a live server under a few hundred requests: scripts/test_slow.sh runs it
 def test_soak_serves_everyone_and_the_server_ends_at_rest(soak, server):
     print(f"\n{format_result(soak)}")
     assert soak.requests == REQUESTS and soak.warmup_requests == WARMUP_REQUESTS
@@ -142,6 +143,7 @@ def test_soak_serves_everyone_and_the_server_ends_at_rest(soak, server):
     assert "Traceback" not in server.log.read_text()
 
 
+@pytest.mark.slow  # a live server under a few hundred requests: scripts/test_slow.sh runs it
 def test_cli_soak_prints_the_summary_and_exits_0(server, capsys):
     argv = ["bench", "soak", "--base-url", server.url, "--requests", "10", "--concurrency", "4"]
     argv += ["--warmup-requests", "0", "--seed", "3", "--server-pid", str(server.process.pid)]

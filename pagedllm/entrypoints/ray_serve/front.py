@@ -173,6 +173,8 @@ class Front:
     async def _answer(self, request: ForwardedRequest, retry: bool = False, **routing: Any) -> Response:
         answer = await self._start(request, **routing)
         if isinstance(answer, Response):
+            if retry:  # the replica died before answering; Serve's router has dropped it already
+                return await self._answer(request, prefix=routing.get("prefix"))
             return answer
         start, rest = answer
         if _is_stream(start):

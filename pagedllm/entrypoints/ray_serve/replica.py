@@ -54,7 +54,7 @@ class EngineReplica:
             yield item
         yield ResponseEnd(engine_alive=not self._fatal and self.engine.is_running)
 
-    def describe(self, **routing: Any) -> dict[str, Any]:
+    def describe(self) -> dict[str, Any]:
         """What the front needs to hash prompts as this engine does, and to list the models."""
         return {
             "tokenizer": self.engine.tokenizer,
