@@ -17,13 +17,15 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig, ServeOptions
 from pagedllm.entrypoints.openai.async_engine import AsyncLLMEngine
-from pagedllm.entrypoints.openai.metrics import ServerMetrics
+from pagedllm.entrypoints.openai.metrics import RequestTiming, ServerMetrics
 from pagedllm.entrypoints.ray_serve import check_replica_options, scaling
-from pagedllm.entrypoints.ray_serve.router import PREFIX_BLOCKS, PrefixIndex, prompt_prefix
+from pagedllm.entrypoints.ray_serve.front import gather_metrics, router_metrics
+from pagedllm.entrypoints.ray_serve.router import PREFIX_BLOCKS, PrefixIndex, RoutingCounts, prompt_prefix
 from tests.test_server import ServerProcess, free_port, sse_data
 
 MODEL_FLAGS = ["--dtype", "float32", "--num-kv-blocks", "256", "--max-num-seqs", "16", "--served-model-name", "m"]
@@ -283,3 +285,29 @@ def test_a_stopped_engine_core_fails_the_health_check_a_replica_answers_serve(ti
             await engine.shutdown()
 
     asyncio.run(check())
+
+
+def test_gathered_metrics_label_every_replicas_samples_and_keep_each_family_once():
+    texts = {}
+    for replica, tokens in (("a", 3), ("b", 5)):
+        metrics = ServerMetrics()
+        metrics.observe_generated(tokens)
+        metrics.observe_end("stop", RequestTiming(arrival=0.0, first_token=1.0, end=2.0, num_output_tokens=tokens))
+        texts[replica] = metrics.render().decode()
+    counts = RoutingCounts()
+    counts.record("prefix", "a")
+    gathered = gather_metrics(texts, router_metrics(counts)).decode()
+    families = {family.name: family for family in text_string_to_metric_families(gathered)}
+    tokens = {
+        s.labels["replica"]: s.value
+        for s in families["pagedllm:generation_tokens"].samples
+        if s.name.endswith("_total")
+    }
+    assert tokens == {"a": 3.0, "b": 5.0}
+    buckets = [s for s in families["pagedllm:e2e_request_latency_seconds"].samples if s.name.endswith("_bucket")]
+    assert {s.labels["replica"] for s in buckets} == {"a", "b"} and all("le" in s.labels for s in buckets)
+    assert gathered.count("# HELP pagedllm:generation_tokens_total") == 1
+    decisions = {
+        s.labels["by"]: s.value for s in families["pagedllm:router_decisions"].samples if s.name.endswith("_total")
+    }
+    assert decisions == {"prefix": 1.0, "load": 0.0, "replica": 0.0}

@@ -63,14 +63,14 @@ def serve(engine_options: dict[str, Any], options: ServeOptions) -> int:
     )
     banner = f"pagedllm: serving {options.served_model_names[0]} on http://{options.host}:{options.port}"
     engine = server.engine
-    uvicorn_server = _Server(config, on_exit=partial(engine.drain, options.shutdown_grace_s), banner=banner)
+    uvicorn_server = UvicornServer(config, on_exit=partial(engine.drain, options.shutdown_grace_s), banner=banner)
     engine.on_fatal = uvicorn_server.fail
     uvicorn_server.run()
     return uvicorn_server.exit_code
 
 
 @dataclass(frozen=True, slots=True)
-class Server:
+class EngineApp:
     """One engine behind its app: what `pagedllm serve` runs under uvicorn, and each Ray Serve replica in-process."""
 
     app: FastAPI
@@ -78,7 +78,7 @@ class Server:
     options: ServeOptions  # with the served model names filled in
 
 
-def build_server(engine_options: dict[str, Any], options: ServeOptions, start_method: str = "fork") -> Server:
+def build_server(engine_options: dict[str, Any], options: ServeOptions, start_method: str = "fork") -> EngineApp:
     """Start the engine core (loading `--lora-modules` in it) and build the app over it. `start_method`: how the
     core's process starts (`fork` unless threads already run in this process)."""
     options = replace(options, served_model_names=options.model_names(engine_options.get("model")))
@@ -92,10 +92,13 @@ def build_server(engine_options: dict[str, Any], options: ServeOptions, start_me
         loras.add(module)
     app = build_app(engine, partial(render_chat, engine.tokenizer), options, loras)
     mount_kv_page(app, engine.kv_monitor)  # after build_app: its query-key middleware runs before the key check
-    return Server(app, engine, options)
+    return EngineApp(app, engine, options)
 
 
-class _Server(uvicorn.Server):
+class UvicornServer(uvicorn.Server):
+    """uvicorn's server that exits 0 after a signal it handled, prints a banner once listening, and calls `on_exit`
+    when told to stop."""
+
     def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None], banner: str) -> None:
         super().__init__(config)
         self._on_exit = on_exit

@@ -1,28 +1,28 @@
 """pagedllm on Ray Serve: `--data-parallel-size` engine replicas behind one OpenAI-compatible endpoint.
 
-`pagedllm serve --distributed-executor-backend ray` runs `application(...)`: the `Front` ingress (every HTTP
-request, hashed for the router) and the `EngineReplica` deployment (one engine and pagedllm's whole server app
-per replica), routed by `PrefixAwareRouter`; with `--min-replicas`/`--max-replicas`, Serve's autoscaler keeps
-`--target-ongoing-requests` in flight per replica. `build_application` is the same application for Serve's own
-config files (a KubeRay `RayService`: `import_path: pagedllm.entrypoints.ray_serve:build_application`).
+`pagedllm serve --distributed-executor-backend ray` deploys `engines(...)`, the `EngineReplica` deployment (one
+engine and pagedllm's whole server app per replica) routed by `PrefixAwareRouter`, and serves HTTP from its own
+process through `FrontApp` (every request hashed for the router); with `--min-replicas`/`--max-replicas`,
+Serve's autoscaler keeps `--target-ongoing-requests` in flight per replica. `build_application` is the same
+application for Serve's own config files (a KubeRay `RayService`: `import_path:
+pagedllm.entrypoints.ray_serve:build_application`), the front a Serve ingress there, behind Serve's proxy.
 """
 
 from __future__ import annotations
 
 import os
-import signal
-import sys
-import threading
 from dataclasses import fields
 from typing import Any
 
 import ray
+import uvicorn
 from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from pagedllm.config import EngineConfig, ServeOptions
-from pagedllm.entrypoints.ray_serve.front import ENGINE_DEPLOYMENT, Front
+from pagedllm.entrypoints.openai.api_server import UvicornServer
+from pagedllm.entrypoints.ray_serve.front import ENGINE_DEPLOYMENT, Front, FrontApp
 from pagedllm.entrypoints.ray_serve.replica import EngineReplica
 from pagedllm.entrypoints.ray_serve.router import PrefixAwareRouter
 
@@ -35,7 +35,8 @@ _SERVE_FIELDS = frozenset(f.name for f in fields(ServeOptions))
 
 
 def build_application(args: dict[str, Any]) -> Application:
-    """Serve's application builder: `args` are pagedllm's option names (engine and server together)."""
+    """Serve's application builder: `args` are pagedllm's option names (engine and server together). The front
+    is a Serve ingress here, behind Serve's proxy."""
     unknown = sorted(set(args) - _ENGINE_FIELDS - _SERVE_FIELDS)
     if unknown:
         raise ValueError(f"unknown pagedllm options: {', '.join(unknown)}")
@@ -43,15 +44,19 @@ def build_application(args: dict[str, Any]) -> Application:
     values = {name: tuple(value) if isinstance(value, list) else value for name, value in args.items()}
     engine_options = {name: value for name, value in values.items() if name in _ENGINE_FIELDS}
     options = ServeOptions(**{name: value for name, value in values.items() if name in _SERVE_FIELDS})
-    return application(engine_options, options)
+    front = serve.deployment(
+        Front, name="PagedLLMFront", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1 << 16
+    )
+    return front.bind(engines(engine_options, options), EngineConfig(**engine_options).block_size)
 
 
-def application(engine_options: dict[str, Any], options: ServeOptions) -> Application:
+def engines(engine_options: dict[str, Any], options: ServeOptions) -> Application:
+    """The engine deployment: `--data-parallel-size` replicas (or autoscaled), routed by `PrefixAwareRouter`."""
     config = EngineConfig(**engine_options)  # bad options fail here, before any replica starts
     check_replica_options(config, options)
     threads = config.threads_per_worker or threads_per_replica(options, config.tensor_parallel_size)
     engine_options = {**engine_options, "threads_per_worker": threads}
-    engines = serve.deployment(
+    return serve.deployment(
         EngineReplica,
         name=ENGINE_DEPLOYMENT,
         ray_actor_options={"num_cpus": threads},  # rank 0's: ranks 1.. are actors with their own (ray_ranks.py)
@@ -65,10 +70,6 @@ def application(engine_options: dict[str, Any], options: ServeOptions) -> Applic
         ),
         **scaling(options),
     ).bind(engine_options, options)
-    front = serve.deployment(
-        Front, name="PagedLLMFront", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1 << 16
-    )
-    return front.bind(engines, config.block_size)
 
 
 def check_replica_options(config: EngineConfig, options: ServeOptions) -> None:
@@ -100,10 +101,12 @@ def threads_per_replica(options: ServeOptions, tensor_parallel_size: int) -> int
 
 
 def serve_on_ray(engine_options: dict[str, Any], options: ServeOptions) -> int:
-    """`pagedllm serve --distributed-executor-backend ray`: deploy the application on the cluster at
-    `--ray-address` (or a local one started here), serve until SIGTERM or SIGINT, then delete the application and
-    stop what was started here. Returns the exit status."""
-    app = application(engine_options, options)
+    """`pagedllm serve --distributed-executor-backend ray`: deploy the engine replicas on the cluster at
+    `--ray-address` (or a local one started here) and serve HTTP from this process (the front and its router here,
+    no Serve proxy in between) until SIGTERM or SIGINT; then delete the application and stop what was started
+    here. Returns the exit status."""
+    replicas = engines(engine_options, options)
+    block_size = EngineConfig(**engine_options).block_size
     local = options.ray_address is None
     ray.init(
         address="local" if local else options.ray_address,
@@ -111,14 +114,16 @@ def serve_on_ray(engine_options: dict[str, Any], options: ServeOptions) -> int:
         include_dashboard=False,
         logging_level=options.log_level.upper(),
     )
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs a SIGTERM handler of its own
-        signal.signal(sig, lambda *_: stop.set())
     try:
-        serve.start(http_options={"host": options.host, "port": options.port})
-        serve.run(app, name=APP_NAME, route_prefix="/")
-        print(f"pagedllm: serving on Ray at http://{options.host}:{options.port}", file=sys.stderr, flush=True)
-        stop.wait()
+        serve.start(proxy_location="Disabled")
+        serve.run(replicas, name=APP_NAME, route_prefix=None)
+        handle = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=APP_NAME)
+        # The first call also starts this process's router, which the aggregated routes list replicas through.
+        front = FrontApp(handle, block_size, handle.describe.remote().result())
+        banner = f"pagedllm: serving on Ray at http://{options.host}:{options.port}"
+        config = uvicorn.Config(front.app, host=options.host, port=options.port, log_level=options.log_level.lower())
+        # It takes SIGINT and SIGTERM over from ray.init's handler while it runs.
+        UvicornServer(config, on_exit=lambda: None, banner=banner).run()
     finally:
         if local:
             serve.shutdown()

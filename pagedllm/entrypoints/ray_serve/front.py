@@ -1,5 +1,6 @@
-"""`Front`: the Ray Serve ingress. It takes every HTTP request, hashes a generating request's prompt (its first
-blocks, as the replicas' prefix caches chain them) for the router, and carries the request to an engine replica.
+"""The front: `FrontApp`, run by `pagedllm serve` itself or as the Ray Serve ingress `Front`. It takes every HTTP
+request, hashes a generating request's prompt (its first blocks, as the replicas' prefix caches chain them) for
+the router, and carries the request to an engine replica.
 
 Answers come back as the replica's app made them. A replica whose engine died fails its in-flight requests: a
 stream ends with an SSE error event, a whole answer with a 503; a whole answer that produced nothing is tried
@@ -18,6 +19,9 @@ from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
@@ -29,7 +33,7 @@ from pagedllm.entrypoints.openai import protocol, tool_parsers
 from pagedllm.entrypoints.openai.metrics import METRICS_CONTENT_TYPE
 from pagedllm.entrypoints.ray_serve import state
 from pagedllm.entrypoints.ray_serve.forward import ForwardedRequest, ResponseEnd, ResponseStart
-from pagedllm.entrypoints.ray_serve.router import prompt_prefix
+from pagedllm.entrypoints.ray_serve.router import RoutingCounts, prompt_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +44,6 @@ _GENERATING = {"/v1/completions": protocol.CompletionRequest, "/v1/chat/completi
 _ADAPTER_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 _PER_REPLICA_S = 10.0  # how long /metrics and /health wait for one replica
 _FAILURES = (RayActorError, BackPressureError)
-
-# The replicas' own schema and docs answer /openapi.json and /docs (the front's catch-all forwards them).
-app = FastAPI(title="pagedllm on Ray", openapi_url=None, docs_url=None, redoc_url=None)
-
 
 # ---- helpers ------------------------------------------------------------------------------------
 
@@ -121,47 +121,62 @@ def _replica_died(replica: str) -> JSONResponse:
     return _unavailable(f"replica {replica}'s engine died while serving the request; retry")
 
 
-def label_samples(exposition: str, replica: str) -> str:
-    """Prometheus text with `replica="..."` added to every sample's labels."""
-    lines = []
-    for line in exposition.splitlines():
-        if line and not line.startswith("#"):
-            name, _, rest = line.partition(" ")
-            if "{" in name or rest.startswith("{"):
-                line = line.replace("{", f'{{replica="{replica}",', 1)
-            else:
-                line = f'{name}{{replica="{replica}"}} {rest}'
-        lines.append(line)
-    return "\n".join(lines) + "\n"
+class _Families:
+    """A collector of metric families already gathered, for `generate_latest`."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> list[Metric]:
+        return self._families
 
 
-def merge_expositions(parts: list[str]) -> str:
-    """Several expositions as one: each metric's HELP and TYPE once, its samples from every part together."""
-    families: dict[str, list[str]] = {}
-    current = ""
-    for part in parts:
-        for line in part.splitlines():
-            if line.startswith("# HELP ") or line.startswith("# TYPE "):
-                current = line.split(" ", 3)[2]
-                family = families.setdefault(current, [])
-                if line not in family:
-                    family.append(line)
-            elif line:
-                families.setdefault(current, []).append(line)
-    return "".join(line + "\n" for family in families.values() for line in family)
+def gather_metrics(expositions: dict[str, str], extra: list[Metric]) -> bytes:
+    """Every replica's exposition (by replica id) as one, each sample labelled with its replica, then `extra`."""
+    families: dict[str, Metric] = {}
+    for replica, text in expositions.items():
+        for family in text_string_to_metric_families(text):
+            gathered = families.setdefault(
+                family.name, Metric(family.name, family.documentation, family.type, family.unit)
+            )
+            gathered.samples += [
+                sample._replace(labels={"replica": replica, **sample.labels}) for sample in family.samples
+            ]
+    registry = CollectorRegistry()
+    registry.register(_Families([*families.values(), *extra]))
+    return generate_latest(registry)
 
 
-# Serve ships this class by value (its globals copied), so it reaches the router's shared state as `state.NAME`.
-@serve.ingress(app)
-class Front:
-    async def __init__(self, engines: DeploymentHandle, block_size: int) -> None:
+def router_metrics(counts: RoutingCounts) -> list[Metric]:
+    decisions = CounterMetricFamily(
+        "pagedllm:router_decisions", "Requests the router sent by prefix, by load, or to a named replica", labels=["by"]
+    )
+    for how, count in counts.decisions.items():
+        decisions.add_metric([how], count)
+    routed = CounterMetricFamily(
+        "pagedllm:router_requests", "Requests the router sent to each replica by prefix or load", labels=["replica"]
+    )
+    for replica, count in sorted(counts.per_replica.items()):
+        routed.add_metric([replica], count)
+    return [decisions, routed]
+
+
+class FrontApp:
+    """The front's HTTP side over a handle on the engine deployment, in whichever process holds the handle (and
+    so the router): the Serve ingress `Front`, or `pagedllm serve`'s own process under uvicorn."""
+
+    def __init__(self, engines: DeploymentHandle, block_size: int, described: dict[str, Any]) -> None:
         self.engines = engines
         self.block_size = block_size
-        # The first call also starts this process's router, which the aggregated routes list replicas through.
-        described = await engines.describe.remote()
         self._tokenizer, self._names = described["tokenizer"], described["served_model_names"]
+        # The replicas' own schema and docs answer /openapi.json and /docs (the catch-all forwards them).
+        self.app = FastAPI(title="pagedllm on Ray", openapi_url=None, docs_url=None, redoc_url=None)
+        self.app.add_api_route("/replicas/{index}/{path:path}", self.per_replica, methods=_METHODS)
+        self.app.add_api_route("/health", self.health, methods=["GET"])
+        self.app.add_api_route("/metrics", self.metrics, methods=["GET"])
+        # Added last: FastAPI tries routes in order, and this one takes every path.
+        self.app.add_api_route("/{path:path}", self.forward, methods=_METHODS)
 
-    @app.api_route("/replicas/{index}/{path:path}", methods=_METHODS)
     async def per_replica(self, request: Request, index: int, path: str) -> Response:
         replicas = self._replicas()
         if not 0 <= index < len(replicas):
@@ -228,7 +243,6 @@ class Front:
 
     # ---- replicas together ------------------------------------------------------------------
 
-    @app.get("/health")
     async def health(self) -> JSONResponse:
         """200 while some replica's engine runs (the body lists each replica's), else 503."""
         replicas = self._replicas()
@@ -246,34 +260,16 @@ class Front:
             return "unreachable"
         return json.loads(answer)["status"]
 
-    @app.get("/metrics")
     async def metrics(self) -> Response:
         """Every replica's metrics, each sample labelled with its replica, then the router's counts."""
-        replicas = self._replicas()
-        parts = []
-        for replica in replicas:  # one after another, as in health()
+        expositions = {}
+        for replica in self._replicas():  # one after another, as in health()
             with contextlib.suppress(TimeoutError, *_FAILURES):
                 text = await asyncio.wait_for(self._get(replica, "/metrics"), _PER_REPLICA_S)
-                parts.append(label_samples(text.decode(), replica))
-        parts.append(self._router_metrics())
-        return Response(merge_expositions(parts), media_type=METRICS_CONTENT_TYPE)
-
-    def _router_metrics(self) -> str:
+                expositions[replica] = text.decode()
         router = state.ROUTERS.get(ENGINE_DEPLOYMENT)
-        if router is None:
-            return ""
-        counts = router.counts
-        lines = [
-            "# HELP pagedllm:router_decisions_total Requests the router sent by prefix, by load, or to a named replica",
-            "# TYPE pagedllm:router_decisions_total counter",
-        ]
-        lines += [f'pagedllm:router_decisions_total{{by="{how}"}} {n}' for how, n in counts.decisions.items()]
-        lines += [
-            "# HELP pagedllm:router_requests_total Requests the router sent to each replica by prefix or load",
-            "# TYPE pagedllm:router_requests_total counter",
-        ]
-        lines += [f'pagedllm:router_requests_total{{replica="{r}"}} {n}' for r, n in sorted(counts.per_replica.items())]
-        return "\n".join(lines) + "\n"
+        extra = router_metrics(router.counts) if router is not None else []
+        return Response(gather_metrics(expositions, extra), media_type=METRICS_CONTENT_TYPE)
 
     async def _get(self, replica: str, path: str) -> bytes:
         request = ForwardedRequest("GET", path, b"", [], b"")
@@ -283,11 +279,22 @@ class Front:
         body, _ = await _whole(answer[1])
         return body
 
-    # Declared last: FastAPI tries routes in order, and this one takes every path.
-    @app.api_route("/{path:path}", methods=_METHODS)
     async def forward(self, request: Request, path: str) -> Response:
         forwarded = await _forwarded(request)
         if forwarded.path in _ADAPTER_PATHS:
             return await self._broadcast(forwarded)
         prefix = await self._prefix(forwarded)
         return await self._answer(forwarded, prefix=prefix, retry=True)
+
+
+# Serve ships this class by value (its globals copied): the router's shared state is reached as `state.NAME`.
+@serve.ingress()
+class Front:
+    """The Serve ingress (Serve's proxy in front of it): a `FrontApp` over the engine deployment."""
+
+    async def __init__(self, engines: DeploymentHandle, block_size: int) -> None:
+        # The first call also starts this process's router, which the aggregated routes list replicas through.
+        self.front = FrontApp(engines, block_size, await engines.describe.remote())
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return self.front.app

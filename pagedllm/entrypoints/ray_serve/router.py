@@ -102,6 +102,7 @@ class PrefixAwareRouter(RequestRouter):
         self.counts = RoutingCounts()
         self._sent: OrderedDict[int, _Sent] = OrderedDict()
         self._decisions: OrderedDict[str, str] = OrderedDict()  # by request: how its replica was chosen
+        self._reports: dict[str, tuple[list[int], frozenset[int]]] = {}
         state.ROUTERS[self._deployment_id.name] = self
 
     def replica_ids(self) -> list[str]:
@@ -110,7 +111,9 @@ class PrefixAwareRouter(RequestRouter):
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        state.FAILED.keep_only({replica.replica_id.unique_id for replica in replicas})
+        live = {replica.replica_id.unique_id for replica in replicas}
+        state.FAILED.keep_only(live)
+        self._reports = {name: report for name, report in self._reports.items() if name in live}
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
@@ -155,8 +158,8 @@ class PrefixAwareRouter(RequestRouter):
         return [r for r in candidates if best and matched[r.replica_id.unique_id] == best]
 
     def _matched(self, replica: RunningReplica, prefix: list[int]) -> int:
-        cached = set(replica.routing_stats.get("prefix", ()))
         now, name = time.monotonic(), replica.replica_id.unique_id
+        cached = self._reported(name, replica.routing_stats.get("prefix", []))
         run = 0
         for block in prefix:
             sent = self._sent.get(block)
@@ -165,6 +168,13 @@ class PrefixAwareRouter(RequestRouter):
                 break
             run += 1
         return run
+
+    def _reported(self, replica: str, hashes: list[int]) -> frozenset[int]:
+        """A replica's reported hashes as a set, built once per report rather than once per request."""
+        known = self._reports.get(replica)
+        if known is None or known[0] is not hashes:
+            known = self._reports[replica] = (hashes, frozenset(hashes))
+        return known[1]
 
     def _imbalanced(self, candidates: list[RunningReplica]) -> bool:
         loads = [self._load(r) for r in candidates]
