@@ -1,7 +1,8 @@
 """Issue 30's figures: pagedllm's Ray Serve replicas on this machine.
 
 1. The cost of Ray: output tok/s of `pagedllm bench serve`'s load against one replica through Ray and against
-   plain `pagedllm serve`, the same model and threads, started fresh and warmed alike, alternating `--rounds` times.
+   plain `pagedllm serve`, the same model and threads, started fresh, left to settle and warmed alike, alternating
+   `--rounds` times.
 2. Prefix-aware against round-robin routing on two replicas, the library-assistant shape (8 system prompts, many
    users' questions, Poisson arrivals): prefix-cache hit rate (the replicas' token counters) and mean TTFT. The
    round-robin side goes through `/replicas/{i}/` in turn, with system prompts of its own, so neither side finds
@@ -68,7 +69,11 @@ def stop(process: subprocess.Popen) -> None:
         process.kill()
 
 
+SETTLE_S = 20.0  # after start-up: Ray starts idle workers and agents for a while, which would count against it
+
+
 def throughput(url: str, requests: int) -> float:
+    time.sleep(SETTLE_S)
     config = BenchConfig(url, requests, float("inf"), None, 128, 64, True, 0, None, num_warmups=requests // 4)
     report = asyncio.run(run_benchmark(config))
     assert report["failed"] == 0, report["first_error"]
