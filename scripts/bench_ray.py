@@ -19,7 +19,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,19 +29,14 @@ from pathlib import Path
 import httpx
 
 from pagedllm.benchmarks.serve import SYNTHETIC_TEXT, BenchConfig, poisson_offsets, run_benchmark, send_request
+from pagedllm.worker.launcher import free_port
 
 SYSTEMS = 8
 USERS_PER_SYSTEM = 8
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def start(flags: list[str], log: Path, replicas: int) -> tuple[subprocess.Popen, str]:
-    port = free_port()
+    port = free_port("127.0.0.1")
     command = [sys.executable, "-m", "pagedllm", "serve", "--port", str(port), *flags]
     with log.open("w") as sink:
         process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)

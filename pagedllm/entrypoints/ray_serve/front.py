@@ -11,7 +11,6 @@ KV page.
 """
 
 import asyncio
-import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -31,6 +30,7 @@ from pagedllm.engine import tokenize_prompt
 from pagedllm.entrypoints.llm import render_chat
 from pagedllm.entrypoints.openai import protocol, tool_parsers
 from pagedllm.entrypoints.openai.metrics import METRICS_CONTENT_TYPE
+from pagedllm.entrypoints.openai.serving_common import ApiError
 from pagedllm.entrypoints.ray_serve import state
 from pagedllm.entrypoints.ray_serve.forward import ForwardedRequest, ResponseEnd, ResponseStart
 from pagedllm.entrypoints.ray_serve.router import RoutingCounts, prompt_prefix
@@ -100,19 +100,15 @@ async def _streamed(rest: DeploymentResponseGenerator, replica: str) -> AsyncIte
                 yield item
     except _FAILURES as error:
         state.FAILED.add(replica)
-        message = f"replica {replica} died while streaming: {error}"
-        yield f"data: {json.dumps(_error(message, 'server_error', None))}\n\n".encode()
+        failure = ApiError(503, f"replica {replica} died while streaming: {error}", kind="server_error")
+        yield f"data: {failure.body.model_dump_json()}\n\n".encode()
         yield b"data: [DONE]\n\n"
     finally:
         rest.cancel()  # the client left early: the replica's app sees the disconnect and aborts
 
 
-def _error(message: str, kind: str, param: str | None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
-
-
 def _unavailable(message: str) -> JSONResponse:
-    response = JSONResponse(_error(message, "server_error", None), status_code=503)
+    response = ApiError(503, message, kind="server_error").response()
     response.headers["Retry-After"] = "1"
     return response
 
@@ -181,7 +177,7 @@ class FrontApp:
         replicas = self._replicas()
         if not 0 <= index < len(replicas):
             message = f"no replica {index}: {len(replicas)} are running"
-            return JSONResponse(_error(message, "invalid_request_error", "replica"), status_code=404)
+            return ApiError(404, message, param="replica").response()
         forwarded = await _forwarded(request, path="/" + path)
         return await self._answer(forwarded, replica=replicas[index])
 
@@ -254,28 +250,31 @@ class FrontApp:
         return JSONResponse(body, status_code=200 if alive else 503)
 
     async def _replica_health(self, replica: str) -> str:
-        try:
-            answer = await asyncio.wait_for(self._get(replica, "/health"), _PER_REPLICA_S)
-        except (TimeoutError, *_FAILURES):
-            return "unreachable"
-        return json.loads(answer)["status"]
+        answer = await self._get(replica, "/health")
+        return "unreachable" if answer is None else json.loads(answer)["status"]
 
     async def metrics(self) -> Response:
         """Every replica's metrics, each sample labelled with its replica, then the router's counts."""
         expositions = {}
         for replica in self._replicas():  # one after another, as in health()
-            with contextlib.suppress(TimeoutError, *_FAILURES):
-                text = await asyncio.wait_for(self._get(replica, "/metrics"), _PER_REPLICA_S)
+            text = await self._get(replica, "/metrics")
+            if text is not None:
                 expositions[replica] = text.decode()
         router = state.ROUTERS.get(ENGINE_DEPLOYMENT)
         extra = router_metrics(router.counts) if router is not None else []
         return Response(gather_metrics(expositions, extra), media_type=METRICS_CONTENT_TYPE)
 
-    async def _get(self, replica: str, path: str) -> bytes:
-        request = ForwardedRequest("GET", path, b"", [], b"")
-        answer = await self._start(request, replica=replica)
+    async def _get(self, replica: str, path: str) -> bytes | None:
+        """One replica's answer to a GET of `path`, or None if it did not answer within _PER_REPLICA_S."""
+        try:
+            return await asyncio.wait_for(self._fetch(replica, path), _PER_REPLICA_S)
+        except TimeoutError:
+            return None
+
+    async def _fetch(self, replica: str, path: str) -> bytes | None:
+        answer = await self._start(ForwardedRequest("GET", path, b"", [], b""), replica=replica)
         if isinstance(answer, Response):
-            raise RayActorError()
+            return None
         body, _ = await _whole(answer[1])
         return body
 
