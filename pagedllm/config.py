@@ -121,9 +121,11 @@ class EngineConfig:
         domain=POSITIVE_INTS,
     )
     seed: int = option(0, "seed of the random generators of unseeded requests", domain=SEEDS)
-    dequantize: bool = option(
-        False,
-        "a GGUF file's quantized weights dequantized to dtype at load (default: held and computed as stored)",
+    dequantize: bool | None = option(
+        None,
+        "a GGUF file's quantized weights dequantized to dtype at load; default (auto): where no integer kernel "
+        "takes dtype on this CPU (bfloat16 with AVX512-VNNI does), unless they would then take over a quarter of "
+        "the memory available; elsewhere held and computed as stored",
         domain=Booleans(),
     )
     quantization: str | None = option(

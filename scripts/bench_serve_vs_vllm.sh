@@ -4,7 +4,8 @@
 # and then a warm run (8 warm-up requests first); the ready time of each start; peak RSS of each server's
 # processes (VmHWM, summed over the server and its children: vLLM's API server and engine core, pagedllm's
 # server and engine core). Writes OUT_DIR/*.json and prints a markdown table.
-#   scripts/bench_serve_vs_vllm.sh [OUT_DIR]      (VLLM_PYTHON: vLLM's CPU wheel, default .venv-vllm/bin/python)
+#   scripts/bench_serve_vs_vllm.sh [OUT_DIR]      (VLLM_PYTHON: vLLM's CPU wheel, default .venv-vllm/bin/python;
+#                                                 ENGINES: default "pagedllm vllm")
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-bench-serve-out}"
@@ -14,6 +15,10 @@ LOAD=(--num-prompts 64 --input-len 200 --max-tokens 128 --ignore-eos)
 mkdir -p "$OUT"
 PY=.venv/bin/python
 FOLDER=$($PY -c "from pagedllm.models.loader import resolve_model_folder; print(resolve_model_folder(None))")
+# vLLM computes in the dtype pagedllm's "auto" picks here: bf16 where the CPU has bf16 instructions, else float32
+# (bf16 is emulated there, several times slower).
+DTYPE=$($PY -c "from pagedllm.config import cpu_has_native_bf16; print('bfloat16' if cpu_has_native_bf16() else 'float32')")
+ENGINES="${ENGINES:-pagedllm vllm}"
 
 start_server() {  # ENGINE -> sets SERVER_PID; the server's output goes to a file, never a pipe
     local engine=$1 log="$OUT/$1-server.log"
@@ -22,7 +27,7 @@ start_server() {  # ENGINE -> sets SERVER_PID; the server's output goes to a fil
     else
         # vLLM's best configuration on 2 cores (docs/VLLM_CPU.md): both cores bound, none reserved.
         OMP_NUM_THREADS=2 VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_KVCACHE_SPACE=4 \
-            "$VLLM_PYTHON" scripts/vllm_serve.py "$FOLDER" --port "$PORT" --dtype bfloat16 >>"$log" 2>&1 &
+            "$VLLM_PYTHON" scripts/vllm_serve.py "$FOLDER" --port "$PORT" --dtype "$DTYPE" >>"$log" 2>&1 &
     fi
     SERVER_PID=$!
     local started=$SECONDS
@@ -54,7 +59,7 @@ bench() {  # ENGINE RATE WARMUPS: the warm run draws other prompts (--seed 1), s
 
 : >"$OUT/ready.txt"
 : >"$OUT/rss.txt"
-for engine in pagedllm vllm; do
+for engine in $ENGINES; do
     for rate in inf 2; do
         start_server "$engine"
         bench "$engine" "$rate" 0
@@ -72,6 +77,8 @@ print("|---|---|---|---|---|---|---|---|")
 for engine in ("pagedllm", "vllm"):
     for rate in ("inf", "2"):
         for warm in ("0", "8"):
+            if not (out / f"{engine}-rate{rate}-warm{warm}.json").exists():
+                continue
             r = json.loads((out / f"{engine}-rate{rate}-warm{warm}.json").read_text())
             label = "none (fresh server)" if warm == "0" else "8 requests"
             print(f"| {engine} | {rate} | {label} | {r['output_throughput']:.1f} | {r['mean_ttft_ms']:.0f} | "

@@ -1,7 +1,8 @@
 """Where a prefill step and a decode step of the default model stand against this machine's limits.
 
 `python scripts/roofline.py [--decode-seqs 64] [--prompt-len 256] [--repeats 5]` measures two peaks (a
-bf16 GEMM through the same prepacked oneDNN call the model makes, and a streaming read of 256 MB), then
+GEMM in the engine's compute dtype through the same prepacked oneDNN call the model makes, and a streaming
+read of 256 MB), then
 times steps of the engine with every linear layer, attention call and K/V write wrapped in a wall clock:
 achieved GFLOP/s of the GEMMs (2·rows·in·out per call), GB/s of attention (the K/V bytes of every
 sequence's context, read once per layer), and the share of the step that is neither. Prints a markdown
@@ -31,6 +32,7 @@ from pagedllm.benchmarks.throughput import MAX_MODEL_LEN
 from pagedllm.benchmarks.workloads import Workload, make_workload
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.prepack import prepacked
+from pagedllm.models.quantized import QuantizedLinear
 
 
 @dataclass
@@ -72,8 +74,11 @@ def timed(function: Callable, account: Callable[[float, tuple], None]) -> Callab
 def count_gemm(seconds: float, args: tuple) -> None:
     layer, x = args[0], args[1]
     rows = x.reshape(-1, x.shape[-1]).shape[0]
+    out_features, in_features = (
+        (layer.out_features, layer.in_features) if isinstance(layer, QuantizedLinear) else layer.weight.shape
+    )
     TALLY.gemm_s += seconds
-    TALLY.gemm_flop += 2.0 * rows * layer.weight.shape[0] * layer.weight.shape[1]
+    TALLY.gemm_flop += 2.0 * rows * out_features * in_features
 
 
 def count_attention(seconds: float, args: tuple) -> None:
@@ -90,16 +95,18 @@ def count_write_kv(seconds: float, _: tuple) -> None:
 
 def instrument() -> None:
     decoder.Linear.forward = timed(decoder.Linear.forward, count_gemm)
+    QuantizedLinear.forward = timed(QuantizedLinear.forward, count_gemm)
     cpu_attention.attend = timed(cpu_attention.attend, count_attention)
     # Where the C kernel runs, the K/V write rides in the rotary pass: the column counts that pass whole.
     decoder.write_kv = timed(decoder.write_kv, count_write_kv)
     decoder.fused.rope_write_kv = timed(decoder.fused.rope_write_kv, count_write_kv)
 
 
-def gemm_peak() -> float:
-    """GFLOP/s of a 2048 x 2048 x 2048 bf16 product through the prepacked oneDNN call, best of 10."""
-    x = torch.randn(2048, 2048, dtype=torch.bfloat16)
-    weight = prepacked(torch.randn(2048, 2048, dtype=torch.bfloat16))
+def gemm_peak(dtype: torch.dtype) -> float:
+    """GFLOP/s of a 2048 x 2048 x 2048 product in the engine's compute dtype (bf16, or float32 where the CPU
+    lacks bf16 instructions) through the prepacked oneDNN call, best of 10."""
+    x = torch.randn(2048, 2048, dtype=dtype)
+    weight = prepacked(torch.randn(2048, 2048, dtype=dtype))
     best = float("inf")
     for _ in range(13):
         started = time.perf_counter()
@@ -217,9 +224,9 @@ def print_floors(llm: LLM, names: list[str], num_prompts: int, gemm_peak_gflops:
     model = llm.engine.worker.runner.model
     config = model.config
     linear_params = sum(
-        module.weight.numel()
+        module.in_features * module.out_features if isinstance(module, QuantizedLinear) else module.weight.numel()
         for module in model.modules()
-        if isinstance(module, decoder.Linear) and module is not model.lm_head
+        if isinstance(module, decoder.Linear | QuantizedLinear) and module is not model.lm_head
     )
     element_size = torch.empty((), dtype=llm.engine.config.torch_dtype).element_size()
     print(f"\n| workload (N={num_prompts}) | prefill TFLOP | decode steps | decode TFLOP | decode K/V GB | floor |")
@@ -243,17 +250,21 @@ def main() -> None:
     parser.add_argument("--floor-workloads", default="synthetic,sharegpt-like")
     parser.add_argument("--num-prompts", type=int, default=128)
     parser.add_argument(
-        "--dequantize", action="store_true", help="the GGUF's weights as bf16 (the peers' precision), not as stored"
+        "--dequantize",
+        action=argparse.BooleanOptionalAction,
+        help="the GGUF's weights in the compute dtype (the peers' precision) or as stored (default: the engine's "
+        "choice)",
     )
     args = parser.parse_args()
-    gemm_peak_gflops, read_peak_gbs = gemm_peak(), read_peak()
     llm = LLM(dequantize=args.dequantize)
+    dtype = llm.engine.config.torch_dtype
+    gemm_peak_gflops, read_peak_gbs = gemm_peak(dtype), read_peak()
     instrument()
     rng = random.Random(0)
     prefill = prefill_steps(llm, args.prompt_len, args.repeats, rng)
     decode = decode_steps(llm, args.decode_seqs, args.prompt_len, args.repeats, rng)
-    print(f"peaks: bf16 GEMM {gemm_peak_gflops:.0f} GFLOP/s (prepacked 2048³), read {read_peak_gbs:.1f} GB/s")
-    print(f"dtype: {llm.engine.config.torch_dtype}; threads: as the engine chose for the step")
+    print(f"peaks: {dtype} GEMM {gemm_peak_gflops:.0f} GFLOP/s (prepacked 2048³), read {read_peak_gbs:.1f} GB/s")
+    print(f"dtype: {dtype}; threads: as the engine chose for the step")
     print("| step | threads | time | GEMMs | attention | write_kv (with rope) | neither |")
     print("|---|---|---|---|---|---|---|")
     budget = llm.engine.scheduler.max_num_batched_tokens

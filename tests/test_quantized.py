@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from pagedllm import LLM, SamplingParams, native
 from pagedllm.config import EngineConfig
-from pagedllm.models import quantized
+from pagedllm.models import loader, quantized
 from pagedllm.models.gguf import gguf_to_hf_folder, quantized_weights
 from pagedllm.models.quantized import BF16_ROWS, FEW_ROWS, QuantizedEmbedding, QuantizedLinear, QuantizedWeight, matmul
 from tests.reference import compare_greedy, reference_greedy
@@ -164,7 +164,7 @@ def test_greedy_float32_on_quantized_weights_equals_transformers(quantized_file,
     """The oracle: `transformers` on the GGUF's weights dequantized to float32 (the converted folder)."""
     path, folder = quantized_file
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(folder.parent.parent))
-    llm = LLM(model=path, dtype="float32", num_kv_blocks=64)
+    llm = LLM(model=path, dtype="float32", num_kv_blocks=64, dequantize=False)
     model = llm.engine.loaded.model
     linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     per_layer = 3 if _plain_qkv(path) else 4  # qkv, o, gate_up, down; the LM head
@@ -180,7 +180,7 @@ def test_greedy_float32_on_quantized_weights_equals_transformers(quantized_file,
 def test_the_quantized_path_reads_a_folder_without_the_quantized_tensors(quantized_file, monkeypatch) -> None:
     path, folder = quantized_file
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(folder.parent.parent))
-    llm = LLM(model=path, dtype="float32", num_kv_blocks=64)
+    llm = LLM(model=path, dtype="float32", num_kv_blocks=64, dequantize=False)
     lean = llm.engine.loaded.folder
     assert lean != folder
     held = set(quantized_weights(path))
@@ -195,6 +195,38 @@ def test_dequantize_keeps_the_plain_layers(quantized_file, monkeypatch) -> None:
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(folder.parent.parent))
     model = LLM(model=path, dtype="float32", num_kv_blocks=64, dequantize=True).engine.loaded.model
     assert not any(isinstance(m, QuantizedLinear | QuantizedEmbedding) for m in model.modules())
+
+
+@pytest.fixture
+def llama_q4_1(tmp_path, monkeypatch) -> Path:
+    spec = dataclasses.replace(FAMILIES["llama"], quant={"": Q.Q4_1})
+    path = tmp_path / "tiny.gguf"
+    write_gguf(save_tiny_family(tmp_path / "hf", spec), path, spec)
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    return path
+
+
+def _held_quantized(llm: LLM) -> bool:
+    return any(isinstance(m, QuantizedLinear | QuantizedEmbedding) for m in llm.engine.loaded.model.modules())
+
+
+def test_auto_dequantizes_where_no_integer_kernel_takes_the_dtype(llama_q4_1: Path) -> None:
+    """float32 activations never meet an integer kernel: by default the weights are dequantized (and prepacked),
+    bf16 ones stay quantized where AVX512-VNNI packs them; asking either way is obeyed."""
+    assert not _held_quantized(LLM(model=llama_q4_1, dtype="float32", num_kv_blocks=64))
+    assert _held_quantized(LLM(model=llama_q4_1, dtype="float32", num_kv_blocks=64, dequantize=False))
+    assert loader.dequantizes(llama_q4_1, torch.bfloat16, "cpu", 1, None) == (not HAS_VNNI)
+    assert loader.dequantizes(llama_q4_1, torch.bfloat16, "cpu", 1, True)
+
+
+def test_auto_keeps_weights_quantized_that_would_not_fit_dequantized(llama_q4_1: Path, monkeypatch, caplog) -> None:
+    elements = sum(t.n_elements for t in gguf.GGUFReader(llama_q4_1).tensors)
+    monkeypatch.setattr(loader, "available_memory", lambda: int(elements * 4 / loader.DEQUANTIZED_SHARE) - 1)
+    with caplog.at_level("WARNING", logger="pagedllm.models.loader"):
+        assert _held_quantized(LLM(model=llama_q4_1, dtype="float32", num_kv_blocks=64))
+    assert "stays quantized" in caplog.text and "dequantize=True" in caplog.text
+    monkeypatch.setattr(loader, "available_memory", lambda: int(elements * 4 / loader.DEQUANTIZED_SHARE) + 4)
+    assert not _held_quantized(LLM(model=llama_q4_1, dtype="float32", num_kv_blocks=64))
 
 
 # --- quantization= on an HF checkpoint --------------------------------------------------------------
@@ -292,7 +324,7 @@ def test_a_bf16_model_holds_its_matrices_packed(family: str, monkeypatch, tmp_pa
     write_gguf(save_tiny_family(tmp_path / "hf", spec), path, spec)
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
     packed = "PackedWeight" if HAS_VNNI else "QuantizedWeight"
-    llm = LLM(model=path, dtype="bfloat16", num_kv_blocks=64)
+    llm = LLM(model=path, dtype="bfloat16", num_kv_blocks=64, dequantize=False)
     model = llm.engine.loaded.model
 
     def parts(name: str) -> set[str]:
@@ -307,6 +339,6 @@ def test_a_bf16_model_holds_its_matrices_packed(family: str, monkeypatch, tmp_pa
     prompts = [[rng.randrange(3, 380) for _ in range(n)] for n in (3, 17, 40)]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     bf16 = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    float32 = LLM(model=path, dtype="float32", num_kv_blocks=64)
+    float32 = LLM(model=path, dtype="float32", num_kv_blocks=64, dequantize=False)
     assert {type(p).__name__ for p in float32.engine.loaded.model.lm_head.parts} == {"QuantizedWeight"}
     assert bf16 == [o.outputs[0].token_ids for o in float32.generate(prompts, params, use_tqdm=False)]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import os
 from collections.abc import Container, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +20,13 @@ from pagedllm.distributed.parallel import Shard
 from pagedllm.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from pagedllm.models.decoder import CausalLM, Embedding, Linear
 from pagedllm.models.moe import moe_weights
-from pagedllm.models.quantized import PackedWeight, QuantizedEmbedding, QuantizedLinear, QuantizedWeight
+from pagedllm.models.quantized import (
+    PackedWeight,
+    QuantizedEmbedding,
+    QuantizedLinear,
+    QuantizedWeight,
+    has_integer_kernel,
+)
 from pagedllm.models.tensor_parallel import shard_model
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "LoadedModel", "load_model", "resolve_model_folder"]
@@ -27,6 +35,10 @@ logger = logging.getLogger(__name__)
 
 # `quantization`'s names for GGUF block types: 8-bit and 4-bit values in blocks of 32, one scale each.
 QUANTIZATION_TYPES = {"int8": GGMLQuantizationType.Q8_0, "int4": GGMLQuantizationType.Q4_0}
+
+# Auto dequantization keeps a GGUF file quantized when its dequantized weights would take more than this share
+# of the memory available at load: a file chosen to fit is not made to swap.
+DEQUANTIZED_SHARE = 0.25
 
 # Our fused matrices and the checkpoint's parts, in order; a checkpoint that stores the fused matrix
 # itself (Phi3's qkv_proj and gate_up_proj) is read as is.
@@ -96,6 +108,45 @@ def load_model(
 def runs_quantized(device: str, world_size: int) -> bool:
     """Whether quantized weights stay quantized: the kernels are CPU ones, for a whole (unsharded) model."""
     return device == "cpu" and world_size == 1
+
+
+def dequantizes(
+    model: str | Path | None, dtype: torch.dtype, device: str, world_size: int, requested: bool | None
+) -> bool:
+    """Whether a GGUF file's quantized weights are dequantized to `dtype` at load: as `requested`, or (None,
+    auto) where no integer kernel takes `dtype` on this CPU, so the dequantized model is faster at every batch
+    size, unless its weights would take more than `DEQUANTIZED_SHARE` of the memory available."""
+    if requested is not None:
+        return requested
+    source = _gguf_source(model)
+    if source is None or not runs_quantized(device, world_size) or has_integer_kernel(dtype):
+        return False
+    from pagedllm.models.gguf import GGUFFile
+
+    elements = sum(math.prod(info.shape) for info in GGUFFile(source).tensors.values())
+    needed = elements * torch.empty((), dtype=dtype).element_size()
+    fits = needed <= DEQUANTIZED_SHARE * available_memory()
+    if not fits:
+        logger.warning(
+            "%s stays quantized: its weights would take %.1f GiB dequantized to %s, over %d%% of the memory "
+            "available (pass dequantize=True to dequantize anyway)",
+            source.name,
+            needed / 2**30,
+            dtype,
+            round(100 * DEQUANTIZED_SHARE),
+        )
+    return fits
+
+
+def available_memory() -> int:
+    """Bytes of memory available for new allocations (MemAvailable), or all of it where /proc cannot say."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def reads_lean_folder(device: str, world_size: int, dequantize: bool) -> bool:

@@ -208,6 +208,14 @@ def _unpack(kind: GGMLQuantizationType, packed: torch.Tensor, in_features: int) 
     return QuantizedWeight(kind, out, in_features)
 
 
+def has_integer_kernel(dtype: torch.dtype) -> bool:
+    """Whether activations of `dtype` meet quantized weights in integer dot products here (bf16 on a CPU with
+    AVX512-VNNI). Elsewhere every product expands the weights to floats first, slower at every row count than
+    the dequantized model's prepacked GEMM (`docs/PERFORMANCE.md`)."""
+    lib = library()
+    return dtype == torch.bfloat16 and lib is not None and bool(lib.has_vnni_gemm())
+
+
 def packs(weight: QuantizedWeight) -> bool:
     """Whether `weight` can be repacked for the integer kernel here: a type it has, whole groups of
     rows, on a CPU with AVX512-VNNI."""
