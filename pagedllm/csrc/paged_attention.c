@@ -299,6 +299,90 @@ static inline __attribute__((always_inline)) void portable_row_chunk(const float
     }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* [k0.q, k1.q, k2.q, k3.q] for four key rows `stride` floats apart: four independent accumulator chains over
+ * the head dim, summed across lanes in one hadd tree. */
+static inline __attribute__((always_inline)) __m128 dots4(const float *q, const float *k, int64_t stride,
+                                                          int64_t head_dim) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    for (int64_t d = 0; d < head_dim; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + d), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + stride + d), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 2 * stride + d), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 3 * stride + d), a3);
+    }
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+static inline __attribute__((always_inline)) float dot1(const float *q, const float *k, int64_t head_dim) {
+    __m256 a = _mm256_setzero_ps();
+    for (int64_t d = 0; d < head_dim; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), a);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    h = _mm_hadd_ps(h, h);
+    return _mm_cvtss_f32(_mm_hadd_ps(h, h));
+}
+
+/* portable_row_chunk without soft-capping, head_dim a multiple of 64, written for AVX2: the portable loops
+ * sum each position's dot horizontally on its own and keep the output row in memory across positions (a
+ * load and a store of it per position); here four positions' dots share one reduction and P.V keeps 64
+ * output dims in eight registers over the whole chunk. The same arithmetic up to summation order. */
+static inline __attribute__((always_inline)) void avx2_row_chunk(const float *restrict q, const float *keys,
+                                                                 const float *values, int64_t stride, int64_t n,
+                                                                 int64_t head_dim, float scale_log2e,
+                                                                 float *restrict m, float *restrict l,
+                                                                 float *restrict o) {
+    float s[CHUNK], w[CHUNK], top = -INFINITY, total = 0.f;
+    int64_t p = 0;
+    for (; p + 4 <= n; p += 4)
+        _mm_storeu_ps(s + p, _mm_mul_ps(dots4(q, keys + p * stride, stride, head_dim), _mm_set1_ps(scale_log2e)));
+    for (; p < n; p++) s[p] = dot1(q, keys + p * stride, head_dim) * scale_log2e;
+    for (p = 0; p < n; p++) top = s[p] > top ? s[p] : top;
+    if (top > *m) {
+        const float alpha = exp2_nonpositive(*m - top);
+        *l *= alpha;
+        const __m256 av = _mm256_set1_ps(alpha);
+        for (int64_t d = 0; d < head_dim; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(av, _mm256_loadu_ps(o + d)));
+        *m = top;
+    }
+    const float shift = *m;
+#pragma omp simd reduction(+ : total)
+    for (p = 0; p < n; p++) {
+        w[p] = exp2_nonpositive(s[p] - shift);
+        total += w[p];
+    }
+    *l += total;
+    for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
+        __m256 acc[8];
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_loadu_ps(o + d0 + 8 * j);
+        for (p = 0; p < n; p++) {
+            const __m256 wv = _mm256_set1_ps(w[p]);
+            const float *v = values + p * stride + d0;
+            for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + 8 * j), acc[j]);
+        }
+        for (int j = 0; j < 8; j++) _mm256_storeu_ps(o + d0 + 8 * j, acc[j]);
+    }
+}
+#endif
+
+/* One chunk for one query row (see portable_row_chunk), on AVX2 where it applies. */
+static inline __attribute__((always_inline)) void row_chunk(const float *restrict q, const float *keys,
+                                                            const float *values, int64_t stride, int64_t n,
+                                                            int64_t head_dim, float scale_log2e, int capped,
+                                                            float cap_in, float cap_out, float *restrict m,
+                                                            float *restrict l, float *restrict o) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (!capped && head_dim % 64 == 0) {
+        avx2_row_chunk(q, keys, values, stride, n, head_dim, scale_log2e, m, l, o);
+        return;
+    }
+#endif
+    portable_row_chunk(q, keys, values, stride, n, head_dim, scale_log2e, capped, cap_in, cap_out, m, l, o);
+}
+
 /* One item for a cache element type T. The query rows are widened to float once per item. A chunk of
  * float32 K/V inside one block is read in place; anything else (bf16, or a chunk across blocks) is
  * first copied into float rows. A constant head_dim (64, 128) lets the compiler unroll; `mode` is a
@@ -360,9 +444,9 @@ static inline __attribute__((always_inline)) void portable_row_chunk(const float
                         if (skip >= CHUNK) continue;                                                          \
                         skip = skip > 0 ? skip : 0;                                                           \
                     }                                                                                         \
-                    portable_row_chunk(q + r * head_dim, keys + skip * stride, values + skip * stride, stride, \
-                                       (visible < CHUNK ? visible : CHUNK) - skip, head_dim, b->scale_log2e,  \
-                                       capped, b->cap_in, b->cap_out, &m[r], &l[r], o + r * head_dim);        \
+                    row_chunk(q + r * head_dim, keys + skip * stride, values + skip * stride, stride,         \
+                              (visible < CHUNK ? visible : CHUNK) - skip, head_dim, b->scale_log2e, capped,   \
+                              b->cap_in, b->cap_out, &m[r], &l[r], o + r * head_dim);                         \
                 }                                                                                             \
             }                                                                                                 \
         }                                                                                                     \
