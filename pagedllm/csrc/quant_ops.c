@@ -25,7 +25,7 @@
 #include <omp.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -58,6 +58,15 @@ static inline void expand_nibbles(const uint8_t *restrict qs, float d, float off
     const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), low)));
     _mm512_storeu_ps(out, _mm512_fmadd_ps(lo, dv, ov));
     _mm512_storeu_ps(out + 16, _mm512_fmadd_ps(hi, dv, ov));
+#elif defined(__AVX2__) && defined(__FMA__)
+    /* gcc leaves the loops below scalar (about 3 cycles a value): spelled out, 8 values an instruction. */
+    const __m128i q = _mm_loadu_si128((const __m128i *)qs), low = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(q, low), hi = _mm_and_si128(_mm_srli_epi16(q, 4), low);
+    const __m256 dv = _mm256_set1_ps(d), ov = _mm256_set1_ps(offset);
+    _mm256_storeu_ps(out, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), dv, ov));
+    _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), dv, ov));
+    _mm256_storeu_ps(out + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), dv, ov));
+    _mm256_storeu_ps(out + 24, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), dv, ov));
 #else
     for (int j = 0; j < 16; j++) out[j] = d * (float)(qs[j] & 0x0F) + offset;
     for (int j = 0; j < 16; j++) out[j + 16] = d * (float)(qs[j] >> 4) + offset;
@@ -89,6 +98,10 @@ static inline void expand_q8_0(const uint8_t *restrict block, float *restrict ou
     _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)qs))), dv));
     _mm512_storeu_ps(out + 16,
                      _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16)))), dv));
+#elif defined(__AVX2__)
+    const __m256 dv = _mm256_set1_ps(d);
+    for (int j = 0; j < 32; j += 8)
+        _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qs + j)))), dv));
 #else
     for (int j = 0; j < 32; j++) out[j] = d * (float)qs[j];
 #endif
