@@ -123,9 +123,10 @@ class EngineConfig:
     seed: int = option(0, "seed of the random generators of unseeded requests", domain=SEEDS)
     dequantize: bool | None = option(
         None,
-        "a GGUF file's quantized weights dequantized to dtype at load; default (auto): where no integer kernel "
-        "takes dtype on this CPU (bfloat16 with AVX512-VNNI does), unless they would then take over a quarter of "
-        "the memory available; elsewhere held and computed as stored",
+        "a GGUF file's quantized weights dequantized to dtype at load (True), or held and computed as stored only "
+        "(False); default: as stored, and where no integer kernel takes dtype on this CPU (bfloat16 with "
+        "AVX512-VNNI does) a dequantized copy beside for products of more than a few rows, unless the copies would "
+        "take over a quarter of the memory available",
         domain=Booleans(),
     )
     quantization: str | None = option(

@@ -25,7 +25,7 @@ from pagedllm.kv.events import KVEventFile, KVEventSink
 from pagedllm.kv.kv_cache_manager import KVCacheManager
 from pagedllm.lora_request import LoRARequest
 from pagedllm.models.config import ModelConfig
-from pagedllm.models.loader import LoadedModel, dequantizes, load_model, reads_lean_folder, resolve_model_folder
+from pagedllm.models.loader import LoadedModel, load_model, reads_lean_folder, resolve_model_folder
 from pagedllm.output_processor import OutputProcessor, StringStop
 from pagedllm.outputs import (
     EngineStats,
@@ -88,10 +88,7 @@ class LLMEngine:
         the deltas (the server's process does, holding its own `OutputProcessor`)."""
         started = time.perf_counter()
         self.config = config
-        dequantize = dequantizes(
-            config.model, config.torch_dtype, config.device, config.tensor_parallel_size, config.dequantize
-        )
-        lean = reads_lean_folder(config.device, config.tensor_parallel_size, dequantize)
+        lean = reads_lean_folder(config.device, config.tensor_parallel_size, config.dequantize)
         folder = resolve_model_folder(config.model, lean)
         model_config = ModelConfig.from_folder(folder)
         settings = config.speculative_config
@@ -104,7 +101,7 @@ class LLMEngine:
         self._bytes_per_block = pool.bytes_per_block
         self._group = TensorParallelGroup.start(config, model_config, folder, pool)
         self.loaded: LoadedModel = load_model(
-            config.model, config.torch_dtype, config.device, self._group.shard, dequantize, config.quantization
+            config.model, config.torch_dtype, config.device, self._group.shard, config.dequantize, config.quantization
         )
         self.tokenizer = self.loaded.tokenizer
         self.text_bound = TextBound.of(self.tokenizer)
@@ -465,8 +462,7 @@ class LLMEngine:
         """Speculative decoding's draft model, with a pool of the target's blocks; it must share the target's
         vocabulary, since its guesses are the target's token ids."""
         config = self.config
-        dequantize = dequantizes(path, config.torch_dtype, config.device, 1, config.dequantize)
-        loaded = load_model(path, config.torch_dtype, config.device, None, dequantize, config.quantization)
+        loaded = load_model(path, config.torch_dtype, config.device, None, config.dequantize, config.quantization)
         if loaded.tokenizer.get_vocab() != self.tokenizer.get_vocab() or loaded.config.vocab_size != self.vocab_size:
             raise ValueError(
                 f"speculative_config: the draft model {path!r} has another vocabulary than the model "

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from pagedllm import LLM, SamplingParams, native
 from pagedllm.config import EngineConfig
-from pagedllm.models import loader, quantized
+from pagedllm.models import loader, prepack, quantized
 from pagedllm.models.gguf import gguf_to_hf_folder, quantized_weights
 from pagedllm.models.quantized import BF16_ROWS, FEW_ROWS, QuantizedEmbedding, QuantizedLinear, QuantizedWeight, matmul
 from tests.reference import compare_greedy, reference_greedy
@@ -206,27 +206,53 @@ def llama_q4_1(tmp_path, monkeypatch) -> Path:
     return path
 
 
-def _held_quantized(llm: LLM) -> bool:
-    return any(isinstance(m, QuantizedLinear | QuantizedEmbedding) for m in llm.engine.loaded.model.modules())
+def _layers(llm: LLM) -> list[QuantizedLinear]:
+    return [m for m in llm.engine.loaded.model.modules() if isinstance(m, QuantizedLinear)]
 
 
-def test_auto_dequantizes_where_no_integer_kernel_takes_the_dtype(llama_q4_1: Path) -> None:
-    """float32 activations never meet an integer kernel: by default the weights are dequantized (and prepacked),
-    bf16 ones stay quantized where AVX512-VNNI packs them; asking either way is obeyed."""
-    assert not _held_quantized(LLM(model=llama_q4_1, dtype="float32", num_kv_blocks=64))
-    assert _held_quantized(LLM(model=llama_q4_1, dtype="float32", num_kv_blocks=64, dequantize=False))
-    assert loader.dequantizes(llama_q4_1, torch.bfloat16, "cpu", 1, None) == (not HAS_VNNI)
-    assert loader.dequantizes(llama_q4_1, torch.bfloat16, "cpu", 1, True)
+def test_by_default_float32_layers_hold_a_dense_copy_beside_their_blocks(llama_q4_1: Path) -> None:
+    """No integer kernel takes float32: each layer keeps its blocks (few rows) and a dequantized, prepacked copy
+    (more rows), and a batch that uses both gives transformers' greedy tokens on the dequantized weights;
+    bf16 layers get a copy only where AVX512-VNNI is missing; asking either way is obeyed."""
+    llm = LLM(model=llama_q4_1, dtype="float32", num_kv_blocks=64)
+    layers = _layers(llm)
+    assert layers and all(layer.dense is not None for layer in layers)
+    assert isinstance(llm.engine.loaded.model.embed_tokens, QuantizedEmbedding)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 380) for _ in range(n)] for n in (5, 9, 40)]  # prefill: dense; decode: 3 rows
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    folder = gguf_to_hf_folder(llama_q4_1)
+    comparison = compare_greedy(outputs, reference_greedy(folder, prompts, 10))
+    assert comparison.exact == len(prompts), comparison
+    assert all(layer.dense is None for layer in _layers(LLM(model=llama_q4_1, dtype="float32", dequantize=False)))
+    assert not _layers(LLM(model=llama_q4_1, dtype="float32", dequantize=True))
+    assert loader.holds_dense(llama_q4_1, torch.bfloat16, "cpu", 1, None) == (
+        not HAS_VNNI and prepack.can_prepack(torch.empty(0, dtype=torch.bfloat16))
+    )
 
 
-def test_auto_keeps_weights_quantized_that_would_not_fit_dequantized(llama_q4_1: Path, monkeypatch, caplog) -> None:
+def test_a_layer_with_a_dense_copy_multiplies_few_rows_from_its_blocks(monkeypatch) -> None:
+    weight, _ = _weight(Q.Q4_1, 64, 128)
+    layer = QuantizedLinear([weight], bias=False)
+    layer.hold_dense(torch.float32)
+    calls = []
+    monkeypatch.setattr(quantized, "matmul", lambda x, part: calls.append(x.shape[0]) or torch.zeros(x.shape[0], 64))
+    for rows in (1, quantized.BLOCK_ROWS, quantized.BLOCK_ROWS + 1, 33):
+        layer(torch.randn(rows, 128))
+    assert calls == [1, quantized.BLOCK_ROWS]
+    monkeypatch.undo()
+    x = torch.randn(33, 128)
+    torch.testing.assert_close(layer(x), x @ weight.dequantize(torch.float32).T, rtol=1e-5, atol=1e-5)
+
+
+def test_no_dense_copy_where_it_would_not_fit(llama_q4_1: Path, monkeypatch, caplog) -> None:
     elements = sum(t.n_elements for t in gguf.GGUFReader(llama_q4_1).tensors)
     monkeypatch.setattr(loader, "available_memory", lambda: int(elements * 4 / loader.DEQUANTIZED_SHARE) - 1)
     with caplog.at_level("WARNING", logger="pagedllm.models.loader"):
-        assert _held_quantized(LLM(model=llama_q4_1, dtype="float32", num_kv_blocks=64))
-    assert "stays quantized" in caplog.text and "dequantize=True" in caplog.text
+        assert all(layer.dense is None for layer in _layers(LLM(model=llama_q4_1, dtype="float32")))
+    assert "quantized blocks alone" in caplog.text and "dequantize=True" in caplog.text
     monkeypatch.setattr(loader, "available_memory", lambda: int(elements * 4 / loader.DEQUANTIZED_SHARE) + 4)
-    assert not _held_quantized(LLM(model=llama_q4_1, dtype="float32", num_kv_blocks=64))
+    assert all(layer.dense is not None for layer in _layers(LLM(model=llama_q4_1, dtype="float32")))
 
 
 # --- quantization= on an HF checkpoint --------------------------------------------------------------

@@ -65,7 +65,7 @@ from pagedllm.domains import (
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.default import default_model_file
-from pagedllm.models.loader import dequantizes, reads_lean_folder, resolve_model_folder
+from pagedllm.models.loader import reads_lean_folder, resolve_model_folder
 from pagedllm.native import cache_root, cached_folder
 from pagedllm.sampling_params import SamplingParams
 
@@ -88,7 +88,7 @@ class BenchSetup:
     openvino_python: str | None = None
     check: int = 4  # requests whose outputs are compared with the reference (greedy workloads)
     model: str | Path | None = None  # what pagedllm reads, as named (a GGUF file runs quantized); None: `folder`
-    dequantize: bool | None = None  # None: the engine's auto choice (`loader.dequantizes`)
+    dequantize: bool | None = None  # None: the engine's default (`EngineConfig.dequantize`)
     speculative_config: dict | None = None  # pagedllm's speculative decoding, as `LLM(speculative_config=...)`
 
 
@@ -436,11 +436,9 @@ def _rounds_other_weights(engine: str, setup: BenchSetup) -> bool:
 
 
 def _holds_quantized(setup: BenchSetup) -> bool:
-    """Whether pagedllm runs a GGUF file's weights as stored."""
+    """Whether pagedllm holds a GGUF file's weights as stored (the default for a GGUF file)."""
     model = setup.model
-    if model is None or Path(model).suffix != ".gguf":
-        return False
-    return reads_lean_folder(setup.device, 1, dequantizes(model, setup.dtype, setup.device, 1, setup.dequantize))
+    return model is not None and Path(model).suffix == ".gguf" and reads_lean_folder(setup.device, 1, setup.dequantize)
 
 
 def _references(setup: BenchSetup, dtype: torch.dtype, requests: list) -> list[list[int]]:

@@ -20,6 +20,7 @@ from pagedllm.distributed.parallel import Shard
 from pagedllm.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from pagedllm.models.decoder import CausalLM, Embedding, Linear
 from pagedllm.models.moe import moe_weights
+from pagedllm.models.prepack import can_prepack
 from pagedllm.models.quantized import (
     PackedWeight,
     QuantizedEmbedding,
@@ -36,8 +37,8 @@ logger = logging.getLogger(__name__)
 # `quantization`'s names for GGUF block types: 8-bit and 4-bit values in blocks of 32, one scale each.
 QUANTIZATION_TYPES = {"int8": GGMLQuantizationType.Q8_0, "int4": GGMLQuantizationType.Q4_0}
 
-# Auto dequantization keeps a GGUF file quantized when its dequantized weights would take more than this share
-# of the memory available at load: a file chosen to fit is not made to swap.
+# A GGUF file's matrices get no dequantized copy beside their blocks (`holds_dense`) when the copies would take
+# more than this share of the memory available at load: a file chosen to fit is not made to swap.
 DEQUANTIZED_SHARE = 0.25
 
 # Our fused matrices and the checkpoint's parts, in order; a checkpoint that stores the fused matrix
@@ -75,12 +76,13 @@ def load_model(
     dtype: torch.dtype,
     device: str = "cpu",
     shard: Shard | None = None,
-    dequantize: bool = False,
+    dequantize: bool | None = None,
     quantization: str | None = None,
 ) -> LoadedModel:
     """The model in `dtype` on `device`; with a `shard` of a tensor-parallel group, that rank's slices.
     A GGUF file's quantized linear layers and embedding stay quantized (`quantized.py`) unless `dequantize`,
-    or where the quantized kernels cannot go: another device, tensor parallelism. `quantization` ("int8",
+    or where the quantized kernels cannot go: another device, tensor parallelism; with `dequantize` None the
+    layers may hold a dequantized copy beside (`holds_dense`). `quantization` ("int8",
     "int4") quantizes the rest of them once, here."""
     world_size = 1 if shard is None else shard.world_size
     quantized_path = runs_quantized(device, world_size)
@@ -93,7 +95,7 @@ def load_model(
     # Parameters start as uninitialised (untouched) memory; the checkpoint's tensors replace them.
     net = CausalLM(config)
     held = _held_quantized(model, folder, net, dequantize, quantization) if quantized_path else {}
-    _quantize_modules(net, held, dtype)
+    _quantize_modules(net, held, dtype, holds_dense(model, dtype, device, world_size, dequantize))
     net.load_state_dict(read_state_dict(folder, net, dtype, held), assign=True)
     if config.tie_word_embeddings and isinstance(net.embed_tokens, Embedding):
         net.lm_head.weight = net.embed_tokens.weight
@@ -110,16 +112,17 @@ def runs_quantized(device: str, world_size: int) -> bool:
     return device == "cpu" and world_size == 1
 
 
-def dequantizes(
-    model: str | Path | None, dtype: torch.dtype, device: str, world_size: int, requested: bool | None
+def holds_dense(
+    model: str | Path | None, dtype: torch.dtype, device: str, world_size: int, dequantize: bool | None
 ) -> bool:
-    """Whether a GGUF file's quantized weights are dequantized to `dtype` at load: as `requested`, or (None,
-    auto) where no integer kernel takes `dtype` on this CPU, so the dequantized model is faster at every batch
-    size, unless its weights would take more than `DEQUANTIZED_SHARE` of the memory available."""
-    if requested is not None:
-        return requested
+    """Whether a GGUF file's quantized matrices also get a dequantized, prepacked copy in `dtype` (auto only,
+    `dequantize` None): where no integer kernel takes `dtype` on this CPU, so that every product of more than
+    a few rows is faster on the copy (`QuantizedLinear.hold_dense`), unless the copies would take more than
+    `DEQUANTIZED_SHARE` of the memory available."""
     source = _gguf_source(model)
-    if source is None or not runs_quantized(device, world_size) or has_integer_kernel(dtype):
+    if dequantize is not None or source is None or not runs_quantized(device, world_size):
+        return False
+    if has_integer_kernel(dtype) or not can_prepack(torch.empty(0, dtype=dtype)):
         return False
     from pagedllm.models.gguf import GGUFFile
 
@@ -128,11 +131,11 @@ def dequantizes(
     fits = needed <= DEQUANTIZED_SHARE * available_memory()
     if not fits:
         logger.warning(
-            "%s stays quantized: its weights would take %.1f GiB dequantized to %s, over %d%% of the memory "
-            "available (pass dequantize=True to dequantize anyway)",
+            "%s runs on its quantized blocks alone: a dequantized copy in %s would take %.1f GiB, over %d%% of "
+            "the memory available (pass dequantize=True to hold the dequantized weights only)",
             source.name,
-            needed / 2**30,
             dtype,
+            needed / 2**30,
             round(100 * DEQUANTIZED_SHARE),
         )
     return fits
@@ -149,7 +152,7 @@ def available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def reads_lean_folder(device: str, world_size: int, dequantize: bool) -> bool:
+def reads_lean_folder(device: str, world_size: int, dequantize: bool | None) -> bool:
     """Whether a GGUF file's quantized tensors come from the file itself, so that its lean folder serves."""
     return runs_quantized(device, world_size) and not dequantize
 
@@ -193,9 +196,12 @@ def _gguf_source(model: str | Path | None) -> Path | None:
     return path if path.is_file() and path.suffix == ".gguf" else None
 
 
-def _quantize_modules(net: CausalLM, weights: Mapping[str, QuantizedWeight], dtype: torch.dtype) -> None:
+def _quantize_modules(
+    net: CausalLM, weights: Mapping[str, QuantizedWeight], dtype: torch.dtype, dense: bool = False
+) -> None:
     """Each linear layer whose every checkpoint part is in `weights`, and the embedding if it is, become their
-    quantized forms; their weights are then not read from the dequantized folder."""
+    quantized forms (with a dequantized copy of each layer's weight if `dense`); their weights are then not
+    read from the dequantized folder."""
     embedding: QuantizedWeight | PackedWeight | None = weights.get("model.embed_tokens.weight")
     for name, module in list(net.named_modules()):
         if not isinstance(module, Linear):
@@ -207,6 +213,8 @@ def _quantize_modules(net: CausalLM, weights: Mapping[str, QuantizedWeight], dty
             parts = [weights.get(key) for key in _checkpoint_keys(weights, f"{name}.weight")]
         if parts and all(part is not None for part in parts):
             layer = QuantizedLinear(parts, bias=module.bias is not None, pack_parts=dtype == torch.bfloat16)
+            if dense:
+                layer.hold_dense(dtype)
             net.set_submodule(name, layer)
             if tied:  # packed in place, if at all: the embedding's lookups read the head's rows
                 embedding = layer.parts[0]

@@ -27,6 +27,7 @@ from gguf.quants import dequantize
 from torch import nn
 
 from pagedllm import native
+from pagedllm.models.prepack import prepacked
 
 _KERNELS = {
     GGMLQuantizationType.Q4_0: "q4_0",
@@ -48,6 +49,10 @@ _SCALE_BYTES = {
 # Up to this many activation rows, the blocks are multiplied as stored; above it, one dequantization per
 # call is cheaper than re-expanding every block for each tile of rows (docs/PERFORMANCE.md).
 FEW_ROWS = 8
+# A layer that also holds its weight dequantized and prepacked (`QuantizedLinear.hold_dense`) multiplies up to
+# this many rows from the blocks, a sixth of the bytes, and more rows with the dense copy (AVX2 kind: the
+# blocks 1.5-1.8x faster at 1-4 rows, level at 8, far slower above; docs/PERFORMANCE.md).
+BLOCK_ROWS = 4
 # Up to this many bf16 rows, where the CPU has AVX512-BF16, the blocks are multiplied as stored with bf16
 # dot products; above it the tiles below.
 BF16_ROWS = 16
@@ -325,8 +330,16 @@ class QuantizedLinear(nn.Module):
         self.in_features = parts[0].in_features
         self.out_features = sum(p.out_features for p in parts)
         self.bias = nn.Parameter(torch.empty(self.out_features), requires_grad=False) if bias else None
+        self.dense: torch.Tensor | None = None
+
+    def hold_dense(self, dtype: torch.dtype) -> None:
+        """Hold the weight dequantized to `dtype` too, prepacked for oneDNN, for products of more than
+        `BLOCK_ROWS` rows (where `loader.holds_dense` says so: no integer kernel takes `dtype` here)."""
+        self.dense = prepacked(torch.cat([part.dequantize(dtype) for part in self.parts]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None and x.shape[0] > BLOCK_ROWS:
+            return torch.ops.mkldnn._linear_pointwise(x, self.dense, self.bias, "none", [], "")
         outs = [matmul(x, part) for part in self.parts]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return out if self.bias is None else out + self.bias
