@@ -215,7 +215,7 @@ def _unpack(kind: GGMLQuantizationType, packed: torch.Tensor, in_features: int) 
 
 def has_integer_kernel(dtype: torch.dtype) -> bool:
     """Whether activations of `dtype` meet quantized weights in integer dot products here (bf16 on a CPU with
-    AVX512-VNNI). Elsewhere every product expands the weights to floats first, slower at every row count than
+    AVX512-VNNI). Elsewhere every product expands the weights to floats first: above a few rows, slower than
     the dequantized model's prepacked GEMM (`docs/PERFORMANCE.md`)."""
     lib = library()
     return dtype == torch.bfloat16 and lib is not None and bool(lib.has_vnni_gemm())
