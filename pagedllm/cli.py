@@ -119,7 +119,8 @@ def run_serve(args: argparse.Namespace) -> int:
         from pagedllm.entrypoints.ray_serve import serve_on_ray
 
         return serve_on_ray(engine_options, options)
-    if options.data_parallel_size > 1 or options.ray_address is not None or options.max_replicas is not None:
+    autoscaling = options.min_replicas is not None or options.max_replicas is not None
+    if options.data_parallel_size > 1 or options.ray_address is not None or autoscaling:
         raise ValueError("--data-parallel-size, --ray-address and autoscaling need --distributed-executor-backend ray")
     from pagedllm.entrypoints.openai.api_server import serve
 

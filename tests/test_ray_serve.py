@@ -262,8 +262,9 @@ def test_replica_options():
         check_replica_options(EngineConfig(model=None), ServeOptions(min_replicas=3, max_replicas=2))
 
 
-def test_replicas_need_the_ray_backend(tiny_llama):
-    command = [sys.executable, "-m", "pagedllm", "serve", "--model", str(tiny_llama), "--data-parallel-size", "2"]
+@pytest.mark.parametrize("flag", ["--data-parallel-size", "--min-replicas", "--max-replicas"])
+def test_replicas_need_the_ray_backend(tiny_llama, flag):
+    command = [sys.executable, "-m", "pagedllm", "serve", "--model", str(tiny_llama), flag, "2"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "--distributed-executor-backend ray" in done.stderr
 
