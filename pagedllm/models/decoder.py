@@ -32,7 +32,7 @@ from pagedllm.models import fused
 from pagedllm.models.config import FULL, SLIDING, ModelConfig
 from pagedllm.models.lora import LoRABatch, LoRAStack, add_lora
 from pagedllm.models.moe import SparseMoeBlock
-from pagedllm.models.prepack import can_prepack, prepacked
+from pagedllm.models.prepack import can_prepack, packed_linear, prepacked
 
 
 @dataclass(slots=True)
@@ -76,7 +76,7 @@ class Linear(nn.Module):
             if x.shape[0] == 0:
                 out = x.new_empty((0, self.weight.shape[0]))
             else:
-                out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+                out = packed_linear(x, self.packed, self.bias)
         else:
             out = nn.functional.linear(x, self.weight, self.bias)
         return parallel.all_reduce(out) if self.reduce else out

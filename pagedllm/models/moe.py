@@ -22,7 +22,7 @@ from torch import nn
 
 from pagedllm.distributed import parallel
 from pagedllm.models import fused
-from pagedllm.models.prepack import can_prepack, prepacked
+from pagedllm.models.prepack import can_prepack, packed_linear, prepacked
 
 
 class _Router(nn.Module):
@@ -103,8 +103,8 @@ class SparseMoeBlock(nn.Module):
         """Expert `e` over the rows of `x`: `down(silu(gate) * up)`, one matmul each."""
         if self.packed is not None:
             gate_up, down = self.packed[e]
-            h = torch.ops.mkldnn._linear_pointwise(x, gate_up, None, "none", [], "")
-            return torch.ops.mkldnn._linear_pointwise(_silu_mul(h), down, None, "none", [], "")
+            h = packed_linear(x, gate_up)
+            return packed_linear(_silu_mul(h), down)
         h = nn.functional.linear(x, self.experts.gate_up_proj[e])
         return nn.functional.linear(_silu_mul(h), self.experts.down_proj[e])
 

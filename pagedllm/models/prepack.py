@@ -33,5 +33,10 @@ def can_prepack(weight: torch.Tensor) -> bool:
 
 
 def prepacked(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` ([out, in]) in oneDNN's layout, for `torch.ops.mkldnn._linear_pointwise`."""
+    """`weight` ([out, in]) in oneDNN's layout, for `packed_linear`."""
     return torch.ops.mkldnn._reorder_linear_weight(weight, _BATCH_HINT[weight.dtype])
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ W.T + bias` for a weight `prepacked` returned (oneDNN's prepacked GEMM)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")

@@ -27,7 +27,7 @@ from gguf.quants import dequantize
 from torch import nn
 
 from pagedllm import native
-from pagedllm.models.prepack import prepacked
+from pagedllm.models.prepack import packed_linear, prepacked
 
 _KERNELS = {
     GGMLQuantizationType.Q4_0: "q4_0",
@@ -339,7 +339,7 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None and x.shape[0] > BLOCK_ROWS:
-            return torch.ops.mkldnn._linear_pointwise(x, self.dense, self.bias, "none", [], "")
+            return packed_linear(x, self.dense, self.bias)
         outs = [matmul(x, part) for part in self.parts]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return out if self.bias is None else out + self.bias
