@@ -260,6 +260,29 @@ void paged_attention_tanh(const float *x, float *out, int64_t n) {
     for (int64_t i = 0; i < n; i++) out[i] = tanh_f32(x[i]);
 }
 
+/* The online-softmax update of one row by a chunk's `n` scores `s` (base 2, largest `top`): the row's running
+ * maximum `m`, sum `l` and output `o` rescaled to a new maximum, and the chunk's weights written to `w`. */
+static inline __attribute__((always_inline)) void row_softmax_update(const float *s, float top, int64_t n,
+                                                                     int64_t head_dim, float *restrict m,
+                                                                     float *restrict l, float *restrict o,
+                                                                     float *restrict w) {
+    if (top > *m) {
+        const float alpha = exp2_nonpositive(*m - top);
+        *l *= alpha;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; d++) o[d] *= alpha;
+        *m = top;
+    }
+    const float shift = *m;
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t p = 0; p < n; p++) {
+        w[p] = exp2_nonpositive(s[p] - shift);
+        total += w[p];
+    }
+    *l += total;
+}
+
 /* One chunk for one query row: scores of its `n` visible positions (key and value rows `stride` floats
  * apart), soft-capped if `capped`, then the online-softmax update of the row's running maximum `m`, sum
  * `l` and output `o`. */
@@ -269,7 +292,7 @@ static inline __attribute__((always_inline)) void portable_row_chunk(const float
                                                                      float cap_in, float cap_out,
                                                                      float *restrict m, float *restrict l,
                                                                      float *restrict o) {
-    float s[CHUNK], w[CHUNK], top = -INFINITY, total = 0.f;
+    float s[CHUNK], w[CHUNK], top = -INFINITY;
     for (int64_t p = 0; p < n; p++) {
         const float *k = keys + p * stride;
         float dot = 0.f;
@@ -278,20 +301,7 @@ static inline __attribute__((always_inline)) void portable_row_chunk(const float
         s[p] = capped ? tanh_f32(dot * cap_in) * cap_out : dot * scale_log2e;
         top = s[p] > top ? s[p] : top;
     }
-    if (top > *m) {
-        const float alpha = exp2_nonpositive(*m - top);
-        *l *= alpha;
-#pragma omp simd
-        for (int64_t d = 0; d < head_dim; d++) o[d] *= alpha;
-        *m = top;
-    }
-    const float shift = *m;
-#pragma omp simd reduction(+ : total)
-    for (int64_t p = 0; p < n; p++) {
-        w[p] = exp2_nonpositive(s[p] - shift);
-        total += w[p];
-    }
-    *l += total;
+    row_softmax_update(s, top, n, head_dim, m, l, o, w);
     for (int64_t p = 0; p < n; p++) {
         const float *v = values + p * stride;
 #pragma omp simd
@@ -335,26 +345,13 @@ static inline __attribute__((always_inline)) void avx2_row_chunk(const float *re
                                                                  int64_t head_dim, float scale_log2e,
                                                                  float *restrict m, float *restrict l,
                                                                  float *restrict o) {
-    float s[CHUNK], w[CHUNK], top = -INFINITY, total = 0.f;
+    float s[CHUNK], w[CHUNK], top = -INFINITY;
     int64_t p = 0;
     for (; p + 4 <= n; p += 4)
         _mm_storeu_ps(s + p, _mm_mul_ps(dots4(q, keys + p * stride, stride, head_dim), _mm_set1_ps(scale_log2e)));
     for (; p < n; p++) s[p] = dot1(q, keys + p * stride, head_dim) * scale_log2e;
     for (p = 0; p < n; p++) top = s[p] > top ? s[p] : top;
-    if (top > *m) {
-        const float alpha = exp2_nonpositive(*m - top);
-        *l *= alpha;
-        const __m256 av = _mm256_set1_ps(alpha);
-        for (int64_t d = 0; d < head_dim; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(av, _mm256_loadu_ps(o + d)));
-        *m = top;
-    }
-    const float shift = *m;
-#pragma omp simd reduction(+ : total)
-    for (p = 0; p < n; p++) {
-        w[p] = exp2_nonpositive(s[p] - shift);
-        total += w[p];
-    }
-    *l += total;
+    row_softmax_update(s, top, n, head_dim, m, l, o, w);
     for (int64_t d0 = 0; d0 < head_dim; d0 += 64) {
         __m256 acc[8];
         for (int j = 0; j < 8; j++) acc[j] = _mm256_loadu_ps(o + d0 + 8 * j);
