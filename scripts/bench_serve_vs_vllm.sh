@@ -17,7 +17,7 @@ PY=.venv/bin/python
 FOLDER=$($PY -c "from pagedllm.models.loader import resolve_model_folder; print(resolve_model_folder(None))")
 # vLLM computes in the dtype pagedllm's "auto" picks here: bf16 where the CPU has bf16 instructions, else float32
 # (bf16 is emulated there, several times slower).
-DTYPE=$($PY -c "from pagedllm.config import cpu_has_native_bf16; print('bfloat16' if cpu_has_native_bf16() else 'float32')")
+DTYPE=$($PY -c "from pagedllm.config import resolve_dtype; print(str(resolve_dtype('auto')).removeprefix('torch.'))")
 ENGINES="${ENGINES:-pagedllm vllm}"
 
 start_server() {  # ENGINE -> sets SERVER_PID; the server's output goes to a file, never a pipe
