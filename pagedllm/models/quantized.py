@@ -335,7 +335,8 @@ class QuantizedLinear(nn.Module):
     def hold_dense(self, dtype: torch.dtype) -> None:
         """Hold the weight dequantized to `dtype` too, prepacked for oneDNN, for products of more than
         `BLOCK_ROWS` rows (where `loader.holds_dense` says so: no integer kernel takes `dtype` here)."""
-        self.dense = prepacked(torch.cat([part.dequantize(dtype) for part in self.parts]))
+        values = [part.dequantize(dtype) for part in self.parts]
+        self.dense = prepacked(values[0] if len(values) == 1 else torch.cat(values))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None and x.shape[0] > BLOCK_ROWS:
