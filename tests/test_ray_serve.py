@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from transformers import AutoTokenizer
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig, ServeOptions
@@ -114,15 +115,27 @@ def test_greedy_equals_offline_engine_and_streamed_equals_whole(ray_server: Serv
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
 
 
-def hit_rates(server: ServerProcess) -> dict[str, float]:
-    return {
-        name.split('"')[1]: value
-        for name, value in server.metrics().items()
-        if name.startswith("pagedllm:prefix_cache_hit_rate{")
-    }
+def hits_since(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Prompt tokens each replica found in its prefix cache between two scrapes."""
+    prefix = "pagedllm:prefix_cache_hits_total{"
+    counted = {name: value for name, value in after.items() if name.startswith(prefix)}
+    return {name.split('"')[1]: value - before.get(name, 0.0) for name, value in counted.items()}
 
 
-def test_prefix_routing_keeps_each_prefix_on_one_replica(ray_server: ServerProcess):
+def shared_block_tokens(model: Path, prompts: list[str], block_size: int = 16) -> int:
+    """Tokens in the full blocks every one of `prompts` shares: what the prefix cache gives each after the first."""
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    ids = [tokenizer.encode(prompt) for prompt in prompts]
+    columns = enumerate(zip(*ids, strict=False))  # stops at the shortest prompt
+    common = next((at for at, column in columns if len(set(column)) > 1), min(map(len, ids)))
+    return common // block_size * block_size
+
+
+def test_prefix_routing_keeps_each_prefix_on_one_replica(ray_server: ServerProcess, tiny_llama):
+    """Every request after a prefix's first finds that prefix's full blocks cached on its replica: the hits each
+    replica counts are exactly those of the prefixes routed to it (whatever earlier tests sent, wherever the load
+    put each prefix)."""
+    before = ray_server.metrics()
     replicas: dict[int, set[str]] = {index: set() for index in range(len(SYSTEMS))}
     for question in QUESTIONS:  # a round: every prefix at once
         threads = []
@@ -139,8 +152,12 @@ def test_prefix_routing_keeps_each_prefix_on_one_replica(ray_server: ServerProce
             thread.join()
     assert all(len(used) == 1 for used in replicas.values()), replicas
     assert len(set().union(*replicas.values())) == 2, "the four prefixes all went to one replica"
-    routed = hit_rates(ray_server)
-    assert min(routed.values()) > 0.5, routed
+    expected = dict.fromkeys(set().union(*replicas.values()), 0)
+    for index, system in enumerate(SYSTEMS):
+        shared = shared_block_tokens(tiny_llama, [system + question for question in QUESTIONS])
+        assert shared > 0, system
+        expected[next(iter(replicas[index]))] += (len(QUESTIONS) - 1) * shared
+    assert hits_since(before, ray_server.metrics()) == expected
 
 
 def test_round_robin_baseline_hits_less(ray_server: ServerProcess, tmp_path):
