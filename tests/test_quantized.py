@@ -62,8 +62,9 @@ def path(request, monkeypatch) -> str:
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
-@pytest.mark.parametrize("rows", [1, 3, FEW_ROWS, FEW_ROWS + 1, 37])
+@pytest.mark.parametrize("rows", [1, 2, 3, 11, 37, FEW_ROWS, FEW_ROWS + 1])
 def test_float32_product_is_the_dequantized_product(kind: Q, rows: int, path: str) -> None:
+    """Every tile of the few-row kernel (6 rows, and the 1-5 left over) and the many-row path."""
     weight, exact = _weight(kind, 96, 512)
     x = torch.randn(rows, 512)
     out = matmul(x, weight)
@@ -72,6 +73,17 @@ def test_float32_product_is_the_dequantized_product(kind: Q, rows: int, path: st
     # float32 sums of 512 products: a few ulps of the terms' magnitude.
     bound = 1e-5 * (x.double().abs() @ exact.abs().T).max().item()
     assert (out.double() - expected).abs().max().item() < bound
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+def test_float32_kernel_over_long_rows_and_an_odd_row_count(kind: Q) -> None:
+    """Rows longer than one chunk of the few-row kernel (its sums carried from chunk to chunk), and an odd number
+    of weight rows (the last multiplied alone)."""
+    weight, exact = _weight(kind, 7, 4608, seed=3)
+    x = torch.randn(5, 4608)
+    expected = x.double() @ exact.T
+    bound = 1e-5 * (x.double().abs() @ exact.abs().T).max().item()
+    assert (matmul(x, weight).double() - expected).abs().max().item() < bound
 
 
 def test_the_bf16_kernel_is_built_where_the_cpu_has_avx512_bf16() -> None:
@@ -237,11 +249,11 @@ def test_a_layer_with_a_dense_copy_multiplies_few_rows_from_its_blocks(monkeypat
     layer.hold_dense(torch.float32)
     calls = []
     monkeypatch.setattr(quantized, "matmul", lambda x, part: calls.append(x.shape[0]) or torch.zeros(x.shape[0], 64))
-    for rows in (1, quantized.BLOCK_ROWS, quantized.BLOCK_ROWS + 1, 33):
+    for rows in (1, quantized.BLOCK_ROWS, quantized.BLOCK_ROWS + 1, quantized.BLOCK_ROWS + 17):
         layer(torch.randn(rows, 128))
     assert calls == [1, quantized.BLOCK_ROWS]
     monkeypatch.undo()
-    x = torch.randn(33, 128)
+    x = torch.randn(quantized.BLOCK_ROWS + 17, 128)
     torch.testing.assert_close(layer(x), x @ weight.dequantize(torch.float32).T, rtol=1e-5, atol=1e-5)
 
 

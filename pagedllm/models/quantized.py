@@ -46,13 +46,14 @@ _SCALE_BYTES = {
     GGMLQuantizationType.Q5_K: slice(0, 4),
     GGMLQuantizationType.Q6_K: slice(208, 210),
 }
-# Up to this many activation rows, the blocks are multiplied as stored; above it, one dequantization per
-# call is cheaper than re-expanding every block for each tile of rows (docs/PERFORMANCE.md).
-FEW_ROWS = 8
+# Up to this many activation rows, the blocks are multiplied as stored (each weight row expanded once per call);
+# above it, one dequantization per call into torch's GEMM is cheaper (AVX2 kind: the blocks 1.16x faster at
+# 64 rows, level at 128, slower from 192; docs/PERFORMANCE.md).
+FEW_ROWS = 64
 # A layer that also holds its weight dequantized and prepacked (`QuantizedLinear.hold_dense`) multiplies up to
 # this many rows from the blocks, a sixth of the bytes, and more rows with the dense copy (AVX2 kind: the
-# blocks 1.5-1.8x faster at 1-4 rows, level at 8, far slower above; docs/PERFORMANCE.md).
-BLOCK_ROWS = 4
+# blocks 1.9x faster at 1 row, 1.2x at 16, 1.08x at 48, 0.93x at 64; docs/PERFORMANCE.md).
+BLOCK_ROWS = 48
 # Up to this many bf16 rows, where the CPU has AVX512-BF16, the blocks are multiplied as stored with bf16
 # dot products; above it the tiles below.
 BF16_ROWS = 16
