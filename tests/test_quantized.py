@@ -62,9 +62,10 @@ def path(request, monkeypatch) -> str:
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
-@pytest.mark.parametrize("rows", [1, 2, 3, 11, 37, FEW_ROWS, FEW_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 2, 3, 11, 20, 21, 22, 23, 37, FEW_ROWS, FEW_ROWS + 1])
 def test_float32_product_is_the_dequantized_product(kind: Q, rows: int, path: str) -> None:
-    """Every tile of the few-row kernel (6 rows, and the 1-5 left over) and the many-row path."""
+    """Every tile of the blocks' kernels (dot products below 20 rows, panels from 20: 6 rows, and the 1-5 left
+    over) and the many-row path."""
     weight, exact = _weight(kind, 96, 512)
     x = torch.randn(rows, 512)
     out = matmul(x, weight)
@@ -76,11 +77,12 @@ def test_float32_product_is_the_dequantized_product(kind: Q, rows: int, path: st
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
-def test_float32_kernel_over_long_rows_and_an_odd_row_count(kind: Q) -> None:
-    """Rows longer than one chunk of the few-row kernel (its sums carried from chunk to chunk), and an odd number
-    of weight rows (the last multiplied alone)."""
+@pytest.mark.parametrize("rows", [5, 23])
+def test_float32_kernel_over_long_rows_and_an_odd_row_count(kind: Q, rows: int) -> None:
+    """Rows longer than one chunk of the blocks' kernels (their sums carried from chunk to chunk), and 7 weight
+    rows (dot products: the last multiplied alone; panels: one panel of 16 part empty)."""
     weight, exact = _weight(kind, 7, 4608, seed=3)
-    x = torch.randn(5, 4608)
+    x = torch.randn(rows, 4608)
     expected = x.double() @ exact.T
     bound = 1e-5 * (x.double().abs() @ exact.abs().T).max().item()
     assert (matmul(x, weight).double() - expected).abs().max().item() < bound

@@ -5,10 +5,11 @@
  * bits under fp16 super-scales). Each type is one `expand_*`: a block to the floats it means, the same
  * numbers as ggml's (and gguf-py's) dequantization.
  *
- * `gemm_*` serves few rows (decode): each weight row is read once per call, expanded into floats in L1 and
- * multiplied into every activation row (register tiles of two weight rows by MT activation rows), so a
- * decode step reads the packed weights once
- * instead of a dequantized copy four to eight times their size. Activations and sums stay in float32: the
+ * `gemm_*` serves float32 rows up to a few hundred (decode, small prefills): each weight row is read once
+ * per call, expanded into floats in L1 and multiplied into every activation row (below PANEL_ROWS by dot
+ * products, register tiles of two weight rows by MT activation rows; from it in GEMM-style panels, where
+ * AVX2 has them), so a step reads the packed weights once instead of a dequantized copy four to eight
+ * times their size. Activations and sums stay in float32: the
  * result is the float32 product with the dequantized weight, up to summation order.
  *
  * `gemm_bf16_*` does the same for bf16 activations on CPUs with AVX512-BF16: each block is expanded once
@@ -270,11 +271,117 @@ static void dot_rows(const float *x, int64_t m, int64_t k, const float *w0, cons
     }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* From PANEL_ROWS activation rows on, GEMM-style: NR weight rows are expanded PK values at a time and
+ * transposed into a panel (value k of all NR rows side by side), and each tile of MT activation rows
+ * broadcasts its value k against the panel's two vectors: 12 accumulators that each hold 8 outputs, so no
+ * horizontal sums, and each expanded value serves every tile. Below PANEL_ROWS the tiles are too few to
+ * pay for the transposition. */
+#define NR 16
+#define PK 256
+#define PANEL_ROWS 20
+
+/* dst[k * ldd + j] = src[j * ld + k] for an 8 x 8 square. */
+static inline void transpose8(const float *src, int64_t ld, float *dst, int64_t ldd) {
+    __m256 r[8], t[8];
+    for (int j = 0; j < 8; j++) r[j] = _mm256_loadu_ps(src + j * ld);
+    for (int j = 0; j < 8; j += 2) {
+        t[j] = _mm256_unpacklo_ps(r[j], r[j + 1]);
+        t[j + 1] = _mm256_unpackhi_ps(r[j], r[j + 1]);
+    }
+    for (int j = 0; j < 8; j += 4) {
+        r[j] = _mm256_shuffle_ps(t[j], t[j + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        r[j + 1] = _mm256_shuffle_ps(t[j], t[j + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        r[j + 2] = _mm256_shuffle_ps(t[j + 1], t[j + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        r[j + 3] = _mm256_shuffle_ps(t[j + 1], t[j + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int j = 0; j < 4; j++) {
+        _mm256_storeu_ps(dst + j * ldd, _mm256_permute2f128_ps(r[j], r[j + 4], 0x20));
+        _mm256_storeu_ps(dst + (j + 4) * ldd, _mm256_permute2f128_ps(r[j], r[j + 4], 0x31));
+    }
+}
+
+/* y[i * n + j] (+)= sum_k x[i][k] * panel[k][j] for i < mt (a constant at each call site) and the panel's
+ * `cols` valid outputs. */
+static inline __attribute__((always_inline)) void panel_tile(const float *x, int64_t ldx, const float *panel,
+                                                            int64_t len, int mt, int first, float *y, int64_t n,
+                                                            int64_t cols) {
+    __m256 acc[MT][2];
+#pragma GCC unroll 8
+    for (int i = 0; i < mt; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < len; k++) {
+        const __m256 p0 = _mm256_load_ps(panel + k * NR), p1 = _mm256_load_ps(panel + k * NR + 8);
+#pragma GCC unroll 8
+        for (int i = 0; i < mt; i++) {
+            const __m256 xv = _mm256_broadcast_ss(x + i * ldx + k);
+            acc[i][0] = _mm256_fmadd_ps(xv, p0, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(xv, p1, acc[i][1]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < mt; i++) {
+        float out[NR];
+        _mm256_storeu_ps(out, acc[i][0]);
+        _mm256_storeu_ps(out + 8, acc[i][1]);
+        for (int64_t j = 0; j < cols; j++) y[i * n + j] = first ? out[j] : y[i * n + j] + out[j];
+    }
+}
+
+/* Every activation row against a panel: tiles of MT rows, then the rest. */
+static void panel_rows(const float *x, int64_t m, int64_t k, const float *panel, int64_t len, int first, float *y,
+                       int64_t n, int64_t cols) {
+    int64_t i = 0;
+    for (; i + MT <= m; i += MT) panel_tile(x + i * k, k, panel, len, MT, first, y + i * n, n, cols);
+    switch (m - i) {
+    case 5: panel_tile(x + i * k, k, panel, len, 5, first, y + i * n, n, cols); break;
+    case 4: panel_tile(x + i * k, k, panel, len, 4, first, y + i * n, n, cols); break;
+    case 3: panel_tile(x + i * k, k, panel, len, 3, first, y + i * n, n, cols); break;
+    case 2: panel_tile(x + i * k, k, panel, len, 2, first, y + i * n, n, cols); break;
+    case 1: panel_tile(x + i * k, k, panel, len, 1, first, y + i * n, n, cols); break;
+    default: break;
+    }
+}
+
+#define DEFINE_PANEL_GEMM(TYPE, BYTES, QB)                                                                \
+    static void panel_gemm_##TYPE(const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n,      \
+                                  float *y) {                                                             \
+        const int64_t blocks = k / (QB), row_bytes = blocks * (BYTES);                                    \
+        _Pragma("omp parallel for schedule(static)")                                                      \
+        for (int64_t r0 = 0; r0 < n; r0 += NR) {                                                          \
+            float rows_buf[NR][PK] __attribute__((aligned(32)));                                          \
+            float panel[PK * NR] __attribute__((aligned(32)));                                            \
+            const int64_t cols = n - r0 < NR ? n - r0 : NR;                                               \
+            if (cols < NR) memset(rows_buf, 0, sizeof rows_buf);                                          \
+            for (int64_t k0 = 0; k0 < k; k0 += PK) {                                                      \
+                const int64_t len = k - k0 < PK ? k - k0 : PK;                                            \
+                for (int64_t j = 0; j < cols; j++)                                                        \
+                    for (int64_t b = k0 / (QB); b < (k0 + len) / (QB); b++)                               \
+                        expand_##TYPE(w + (r0 + j) * row_bytes + b * (BYTES), rows_buf[j] + b * (QB) - k0); \
+                for (int64_t kk = 0; kk < len; kk += 8) {                                                 \
+                    transpose8(&rows_buf[0][kk], PK, panel + kk * NR, NR);                                \
+                    transpose8(&rows_buf[8][kk], PK, panel + kk * NR + 8, NR);                            \
+                }                                                                                         \
+                panel_rows(x + k0, m, k, panel, len, k0 == 0, y + r0, n, cols);                           \
+            }                                                                                             \
+        }                                                                                                 \
+    }
+#define PANEL_CALL(TYPE)                                                                                  \
+    if (m >= PANEL_ROWS) {                                                                                \
+        panel_gemm_##TYPE(x, m, k, w, n, y);                                                              \
+        return;                                                                                           \
+    }
+#else
+#define DEFINE_PANEL_GEMM(TYPE, BYTES, QB)
+#define PANEL_CALL(TYPE)
+#endif
+
 /* y[i][r] = sum_k x[i][k] * w[r][k]: each pair of weight rows is expanded into floats once per call, KC values
  * at a time, and multiplied into all m activation rows (so the expansion, the costly part at few rows, no
  * longer repeats per tile of rows). */
 #define DEFINE_KERNELS(TYPE, BYTES, QB)                                                                   \
+    DEFINE_PANEL_GEMM(TYPE, BYTES, QB)                                                                    \
     void gemm_##TYPE(const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, float *y) {       \
+        PANEL_CALL(TYPE)                                                                                  \
         const int64_t blocks = k / (QB), row_bytes = blocks * (BYTES);                                    \
         _Pragma("omp parallel for schedule(static)")                                                      \
         for (int64_t r = 0; r < n; r += 2) {                                                              \

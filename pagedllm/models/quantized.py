@@ -46,14 +46,14 @@ _SCALE_BYTES = {
     GGMLQuantizationType.Q5_K: slice(0, 4),
     GGMLQuantizationType.Q6_K: slice(208, 210),
 }
-# Up to this many activation rows, the blocks are multiplied as stored (each weight row expanded once per call);
-# above it, one dequantization per call into torch's GEMM is cheaper (AVX2 kind: the blocks 1.16x faster at
-# 64 rows, level at 128, slower from 192; docs/PERFORMANCE.md).
-FEW_ROWS = 64
+# Up to this many activation rows, the blocks are multiplied as stored (each weight row expanded once per call;
+# from 20 rows on in GEMM-style panels); above it, torch's GEMM on a dequantized copy or tiles is faster: the
+# activations no longer stay in L2 across the panels (AVX2 kind: the blocks 1.06-1.14x faster than the
+# prepacked float32 copy from 64 to 768 rows, level at 1024, 0.95x at 2048; docs/PERFORMANCE.md).
+FEW_ROWS = 768
 # A layer that also holds its weight dequantized and prepacked (`QuantizedLinear.hold_dense`) multiplies up to
-# this many rows from the blocks, a sixth of the bytes, and more rows with the dense copy (AVX2 kind: the
-# blocks 1.9x faster at 1 row, 1.2x at 16, 1.08x at 48, 0.93x at 64; docs/PERFORMANCE.md).
-BLOCK_ROWS = 48
+# this many rows from the blocks and more with the dense copy.
+BLOCK_ROWS = FEW_ROWS
 # Up to this many bf16 rows, where the CPU has AVX512-BF16, the blocks are multiplied as stored with bf16
 # dot products; above it the tiles below.
 BF16_ROWS = 16
