@@ -9,8 +9,8 @@
  * per call, expanded into floats in L1 and multiplied into every activation row (below PANEL_ROWS by dot
  * products, register tiles of two weight rows by MT activation rows; from it in GEMM-style panels, where
  * AVX2 has them), so a step reads the packed weights once instead of a dequantized copy four to eight
- * times their size. Activations and sums stay in float32: the
- * result is the float32 product with the dequantized weight, up to summation order.
+ * times their size. Activations and sums stay in float32: the result is the float32 product with the
+ * dequantized weight, up to summation order.
  *
  * `gemm_bf16_*` does the same for bf16 activations on CPUs with AVX512-BF16: each block is expanded once
  * per tile of BF16_TILE rows, rounded to bf16 (as a dequantized bf16 model rounds its weights) and
