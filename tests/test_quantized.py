@@ -21,7 +21,15 @@ from pagedllm import LLM, SamplingParams, native
 from pagedllm.config import EngineConfig
 from pagedllm.models import loader, prepack, quantized
 from pagedllm.models.gguf import gguf_to_hf_folder, quantized_weights
-from pagedllm.models.quantized import BF16_ROWS, FEW_ROWS, QuantizedEmbedding, QuantizedLinear, QuantizedWeight, matmul
+from pagedllm.models.quantized import (
+    BF16_ROWS,
+    FEW_ROWS,
+    WIDENED_ROWS,
+    QuantizedEmbedding,
+    QuantizedLinear,
+    QuantizedWeight,
+    matmul,
+)
 from tests.reference import compare_greedy, reference_greedy
 from tests.test_gguf_families import FAMILIES, save_tiny_family, write_gguf
 
@@ -94,7 +102,7 @@ def test_the_bf16_kernel_is_built_where_the_cpu_has_avx512_bf16() -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
-@pytest.mark.parametrize("rows", [2, FEW_ROWS + 5, BF16_ROWS + 3])
+@pytest.mark.parametrize("rows", [2, WIDENED_ROWS + 5, BF16_ROWS + 3])
 def test_bf16_product_is_within_bf16_rounding(kind: Q, rows: int, path: str) -> None:
     weight, exact = _weight(kind, 64, 256, seed=1)
     x = torch.randn(rows, 256).to(torch.bfloat16)
@@ -224,10 +232,11 @@ def _layers(llm: LLM) -> list[QuantizedLinear]:
     return [m for m in llm.engine.loaded.model.modules() if isinstance(m, QuantizedLinear)]
 
 
-def test_by_default_float32_layers_hold_a_dense_copy_beside_their_blocks(llama_q4_1: Path) -> None:
-    """No integer kernel takes float32: each layer keeps its blocks (few rows) and a dequantized, prepacked copy
-    (more rows), and a batch that uses both gives transformers' greedy tokens on the dequantized weights;
-    bf16 layers get a copy only where AVX512-VNNI is missing; asking either way is obeyed."""
+def test_by_default_float32_layers_hold_a_dense_copy_beside_their_blocks(llama_q4_1: Path, monkeypatch) -> None:
+    """No integer kernel takes float32: each layer keeps its blocks (up to FEW_ROWS rows) and a dequantized,
+    prepacked copy (more rows), and a run that uses both gives transformers' greedy tokens on the dequantized
+    weights; bf16 layers get a copy only where AVX512-VNNI is missing; asking either way is obeyed."""
+    monkeypatch.setattr(quantized, "FEW_ROWS", 8)  # so that this short run's prefill reaches the copy
     llm = LLM(model=llama_q4_1, dtype="float32", num_kv_blocks=64)
     layers = _layers(llm)
     assert layers and all(layer.dense is not None for layer in layers)
@@ -251,11 +260,11 @@ def test_a_layer_with_a_dense_copy_multiplies_few_rows_from_its_blocks(monkeypat
     layer.hold_dense(torch.float32)
     calls = []
     monkeypatch.setattr(quantized, "matmul", lambda x, part: calls.append(x.shape[0]) or torch.zeros(x.shape[0], 64))
-    for rows in (1, quantized.BLOCK_ROWS, quantized.BLOCK_ROWS + 1, quantized.BLOCK_ROWS + 17):
+    for rows in (1, FEW_ROWS, FEW_ROWS + 1, FEW_ROWS + 17):
         layer(torch.randn(rows, 128))
-    assert calls == [1, quantized.BLOCK_ROWS]
+    assert calls == [1, FEW_ROWS]
     monkeypatch.undo()
-    x = torch.randn(quantized.BLOCK_ROWS + 17, 128)
+    x = torch.randn(FEW_ROWS + 17, 128)
     torch.testing.assert_close(layer(x), x @ weight.dequantize(torch.float32).T, rtol=1e-5, atol=1e-5)
 
 

@@ -46,14 +46,18 @@ _SCALE_BYTES = {
     GGMLQuantizationType.Q5_K: slice(0, 4),
     GGMLQuantizationType.Q6_K: slice(208, 210),
 }
-# Up to this many activation rows, the blocks are multiplied as stored (each weight row expanded once per call;
-# from 20 rows on in GEMM-style panels); above it, torch's GEMM on a dequantized copy or tiles is faster: the
-# activations no longer stay in L2 across the panels (AVX2 kind: the blocks 1.06-1.14x faster than the
-# prepacked float32 copy from 64 to 768 rows, level at 1024, 0.95x at 2048; docs/PERFORMANCE.md).
+# Up to this many float32 activation rows, the blocks are multiplied as stored (each weight row expanded once per
+# call; from 20 rows on in GEMM-style panels), also in a layer that holds a dense copy; above it, torch's GEMM on
+# the copy or on dequantized tiles: the activations no longer stay in L2 across the panels (AVX2 kind: the panels
+# 1.04-1.2x faster than the prepacked float32 copy from 16 to 768 rows, level at 1024, 0.95x at 2048;
+# docs/PERFORMANCE.md).
 FEW_ROWS = 768
-# A layer that also holds its weight dequantized and prepacked (`QuantizedLinear.hold_dense`) multiplies up to
-# this many rows from the blocks and more with the dense copy.
-BLOCK_ROWS = FEW_ROWS
+# Activations of another dtype (bf16) that no kernel of theirs takes are widened to float32 for the blocks up to
+# this many rows only: above it torch's bf16 GEMM on dequantized tiles, native where bf16 is, is the faster.
+WIDENED_ROWS = 8
+# A layer that holds a bf16 dense copy (bf16 without AVX512-VNNI) multiplies up to this many rows from its
+# blocks, and more with the copy.
+BLOCK_ROWS = 4
 # Up to this many bf16 rows, where the CPU has AVX512-BF16, the blocks are multiplied as stored with bf16
 # dot products; above it the tiles below.
 BF16_ROWS = 16
@@ -64,6 +68,11 @@ _LUT_KINDS = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantiza
 # A dequantized tile of a weight, on the many-row path: small enough to stay in a core's L2 cache.
 TILE_BYTES = 2 << 20
 _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def few_rows(dtype: torch.dtype) -> int:
+    """Most rows of `dtype` whose product runs on the blocks' float32 kernels (`gemm_*`)."""
+    return FEW_ROWS if dtype == torch.float32 else WIDENED_ROWS
 
 
 def _runs(start: int, count: int) -> list[tuple[int, int]]:
@@ -270,7 +279,7 @@ def matmul(x: torch.Tensor, weight: QuantizedWeight | PackedWeight) -> torch.Ten
         return nn.functional.linear(x, weight.dequantize(x.dtype, native_ok=False))
     if x.dtype == torch.bfloat16 and x.shape[0] <= BF16_ROWS and lib.has_bf16_gemm():
         return _bf16_product(x, weight, lib)
-    if x.shape[0] > FEW_ROWS:
+    if x.shape[0] > few_rows(x.dtype):
         return _tiled_product(x, weight, lib)
     x32 = x.to(torch.float32).contiguous()
     out = torch.empty(x.shape[0], weight.out_features, dtype=torch.float32)
@@ -335,12 +344,13 @@ class QuantizedLinear(nn.Module):
 
     def hold_dense(self, dtype: torch.dtype) -> None:
         """Hold the weight dequantized to `dtype` too, prepacked for oneDNN, for products of more than
-        `BLOCK_ROWS` rows (where `loader.holds_dense` says so: no integer kernel takes `dtype` here)."""
+        `FEW_ROWS` float32 rows or `BLOCK_ROWS` of another dtype (where `loader.holds_dense` says so: no integer
+        kernel takes `dtype` here)."""
         values = [part.dequantize(dtype) for part in self.parts]
         self.dense = prepacked(values[0] if len(values) == 1 else torch.cat(values))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense is not None and x.shape[0] > BLOCK_ROWS:
+        if self.dense is not None and x.shape[0] > (FEW_ROWS if x.dtype == torch.float32 else BLOCK_ROWS):
             return packed_linear(x, self.dense, self.bias)
         outs = [matmul(x, part) for part in self.parts]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
