@@ -206,7 +206,7 @@ static inline void expand_q6_k(const uint8_t *restrict block, float *restrict ou
 /* ---- few float32 rows: weight rows expanded once per call, then multiplied into every activation row ----- */
 
 /* Weight values of a row expanded at a time: two rows' chunks (16 KB) stay in L1. Long chunks keep the
- * horizontal sums at the end of each product few (KC = 256 ran 10-15% slower at 8-32 rows on the AVX2 kind).
+ * horizontal sums at the end of each product few (KC = 512 ran 2-12% slower at 8-32 rows on the AVX2 kind).
  * A multiple of every type's block. */
 #define KC 2048
 /* Activation rows per tile: 6 rows x 2 weight rows = 12 accumulators, with two weight vectors and one
