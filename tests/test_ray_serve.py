@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig, ServeOptions
@@ -122,9 +122,10 @@ def hits_since(before: dict[str, float], after: dict[str, float]) -> dict[str, f
     return {name.split('"')[1]: value - before.get(name, 0.0) for name, value in counted.items()}
 
 
-def shared_block_tokens(model: Path, prompts: list[str], block_size: int = 16) -> int:
-    """Tokens in the full blocks every one of `prompts` shares: what the prefix cache gives each after the first."""
-    tokenizer = AutoTokenizer.from_pretrained(model)
+def shared_block_tokens(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> int:
+    """Tokens in the full blocks (the server's default size) every one of `prompts` shares: what the prefix cache
+    gives each after the first."""
+    block_size = EngineConfig().block_size
     ids = [tokenizer.encode(prompt) for prompt in prompts]
     columns = enumerate(zip(*ids, strict=False))  # stops at the shortest prompt
     common = next((at for at, column in columns if len(set(column)) > 1), min(map(len, ids)))
@@ -153,8 +154,9 @@ def test_prefix_routing_keeps_each_prefix_on_one_replica(ray_server: ServerProce
     assert all(len(used) == 1 for used in replicas.values()), replicas
     assert len(set().union(*replicas.values())) == 2, "the four prefixes all went to one replica"
     expected = dict.fromkeys(set().union(*replicas.values()), 0)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
     for index, system in enumerate(SYSTEMS):
-        shared = shared_block_tokens(tiny_llama, [system + question for question in QUESTIONS])
+        shared = shared_block_tokens(tokenizer, [system + question for question in QUESTIONS])
         assert shared > 0, system
         expected[next(iter(replicas[index]))] += (len(QUESTIONS) - 1) * shared
     assert hits_since(before, ray_server.metrics()) == expected
