@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention import AttentionCall, AttentionMetadata, get_backend, paged_attention
+from pagedllm.worker.cache_engine import stored_layout
 
 H200_BYTES_PER_S = 4.8e12
 FLASH_ATTN_PAGE = 256  # flash_attn_with_kvcache needs pages that are multiples of 256 tokens
@@ -108,8 +109,8 @@ def make_case(shape: Shape, batch: int, context: int, block_size: int, device: s
     blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq + 1
     cache_shape = (num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
-    k_cache = torch.randn(cache_shape, generator=gen, device=device).to(shape.torch_dtype)
-    v_cache = torch.randn(cache_shape, generator=gen, device=device).to(shape.torch_dtype)
+    k_cache = stored_layout(torch.randn(cache_shape, generator=gen, device=device).to(shape.torch_dtype))
+    v_cache = stored_layout(torch.randn(cache_shape, generator=gen, device=device).to(shape.torch_dtype))
     tables = torch.randperm(num_blocks, generator=gen, device=device)[: batch * blocks_per_seq]
     tables = tables.view(batch, blocks_per_seq).to(torch.int32)
     query = torch.randn(batch, shape.num_heads, shape.head_dim, generator=gen, device=device).to(shape.torch_dtype)

@@ -15,6 +15,7 @@ import torch
 
 from pagedllm.attention import AttentionMetadata, cpu, get_backend, paged_attention, write_kv
 from pagedllm.attention.reference import gather_sequence
+from pagedllm.worker.cache_engine import stored_layout
 
 # (atol, rtol): bf16 keeps 8 bits of mantissa, so beyond magnitude 1 two correct roundings of the same
 # float32 result can differ by one ulp (1/64 at magnitude 2..4): its tolerance must be relative too.
@@ -35,10 +36,20 @@ def cpu_has_avx512_bf16() -> bool:
 
 
 def make_case(
-    block_size, num_heads, num_kv_heads, head_dim, dtype, seq_lens, query_lens, seed=0, share=False, unused=0.0
+    block_size,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    dtype,
+    seq_lens,
+    query_lens,
+    seed=0,
+    share=False,
+    unused=0.0,
+    layout=stored_layout,
 ):
-    """Random K/V in shuffled blocks; with `share`, every sequence's table starts with the same blocks.
-    Cache slots that belong to no sequence hold `unused`."""
+    """Random K/V in shuffled blocks, stored by `layout` (the engine's, by default); with `share`, every
+    sequence's table starts with the same blocks. Cache slots that belong to no sequence hold `unused`."""
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + 7
@@ -59,8 +70,8 @@ def make_case(
     query = torch.randn(int(starts[-1]), num_heads, head_dim, generator=gen)
     return (
         query.to(dtype),
-        k_cache.to(dtype),
-        v_cache.to(dtype),
+        layout(k_cache.to(dtype)),
+        layout(v_cache.to(dtype)),
         tables,
         torch.tensor(seq_lens, dtype=torch.int32),
         starts,
@@ -81,6 +92,8 @@ def check(case, dtype, monkeypatch, implementation, query_scale=1.0, tolerance=N
     use(implementation, monkeypatch)
     query, k_cache, v_cache, tables, lens, starts = case
     query = (query.float() * query_scale).to(dtype)
+    # The C implementations really run on these caches (any strides), rather than falling back to torch.
+    assert cpu.supports(query, k_cache, v_cache) == (implementation != "torch")
     scale = query.shape[-1] ** -0.5
     expected = paged_attention(query, k_cache, v_cache, tables, lens, starts, scale, backend="reference")
     got = paged_attention(query, k_cache, v_cache, tables, lens, starts, scale, backend="cpu")
@@ -100,6 +113,20 @@ def test_decode_and_mixed_batches_match_reference(
     case = make_case(
         block_size, num_heads, num_kv_heads, head_dim, dtype, lens, query_lens, unused=UNUSED_SLOTS[implementation]
     )
+    check(case, dtype, monkeypatch, implementation)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_token_major_caches_match_reference_too(monkeypatch, implementation, dtype, block_size):
+    """The kernels take the caches' strides: position-major blocks (contiguous tensors) read as well as the
+    engine's head-major ones, for decode tokens and prompt chunks."""
+    lens, query_lens = [1, block_size + 1, 3 * block_size + 5, 70], [1, 1, 5, 70]
+    case = make_case(
+        block_size, 9, 3, 64, dtype, lens, query_lens, unused=UNUSED_SLOTS[implementation], layout=lambda c: c
+    )
+    assert case[1].is_contiguous()
     check(case, dtype, monkeypatch, implementation)
 
 
@@ -208,14 +235,15 @@ def test_metadata_splits_decode_rows_from_prefill_chunks():
     assert chunk.block_tables.tolist() == [[7, 0, 0]] and chunk.query_start_loc.tolist() == [0, 3]
 
 
-def test_write_kv_stores_at_slots_and_skips_padding():
-    k_cache = torch.zeros(4, 2, 1, 3)
-    v_cache = torch.zeros(4, 2, 1, 3)
-    key = torch.arange(9.0).view(3, 1, 3)
+@pytest.mark.parametrize("layout", [stored_layout, lambda c: c], ids=["head-major", "token-major"])
+def test_write_kv_stores_at_slots_and_skips_padding(layout):
+    k_cache = layout(torch.zeros(4, 2, 2, 3))
+    v_cache = layout(torch.zeros(4, 2, 2, 3))
+    key = torch.arange(18.0).view(3, 2, 3)
     write_kv(key, -key, k_cache, v_cache, torch.tensor([5, -1, 0]))
-    assert torch.equal(k_cache[2, 1, 0], key[0, 0]) and torch.equal(v_cache[2, 1, 0], -key[0, 0])
-    assert torch.equal(k_cache[0, 0, 0], key[2, 0])
-    assert int((k_cache != 0).sum()) == 5  # key[2] holds one zero; nothing else was written
+    assert torch.equal(k_cache[2, 1], key[0]) and torch.equal(v_cache[2, 1], -key[0])
+    assert torch.equal(k_cache[0, 0], key[2])
+    assert int((k_cache != 0).sum()) == 11  # key[2] holds one zero; nothing else was written
 
 
 def test_native_kernel_builds_here_and_leaves_float_state_alone():
@@ -252,6 +280,8 @@ def check_options(case, dtype, monkeypatch, implementation, window, softcap, que
     use(implementation, monkeypatch)
     query, k_cache, v_cache, tables, lens, starts = case
     query = (query.float() * query_scale).to(dtype)
+    # The C implementations really run on these caches (any strides), rather than falling back to torch.
+    assert cpu.supports(query, k_cache, v_cache) == (implementation != "torch")
     scale = query.shape[-1] ** -0.5
     options = {"window": window, "softcap": softcap}
     expected = paged_attention(query, k_cache, v_cache, tables, lens, starts, scale, backend="reference", **options)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pagedllm.models import fused
+from pagedllm.worker.cache_engine import stored_layout
 
 
 @pytest.fixture
@@ -88,11 +89,13 @@ def test_rope_reads_its_heads_from_the_fused_projection(dtype, heads, head_dim, 
         torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("head_major", [True, False], ids=["head-major", "token-major"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 128), (2, 1, 16)])
-def test_rope_write_kv_equals_rope_then_write_kv(dtype, heads, kv_heads, head_dim, torch_forms):
+def test_rope_write_kv_equals_rope_then_write_kv(dtype, heads, kv_heads, head_dim, head_major, torch_forms):
     """The fused rotary pass with its K/V write leaves the caches and returns the queries exactly as the
-    separate passes do, skips padding slots (negative) and touches no other slot."""
+    separate passes do, skips padding slots (negative) and touches no other slot; in the engine's head-major
+    cache layout and in the token-major one."""
     from pagedllm.attention import write_kv
 
     torch.manual_seed(4)
@@ -106,6 +109,8 @@ def test_rope_write_kv_equals_rope_then_write_kv(dtype, heads, kv_heads, head_di
     slots[[2, 9]] = -1
     shape = (blocks, block_size, kv_heads, head_dim)
     k_fused, v_fused = torch.full(shape, 7.0, dtype=dtype), torch.full(shape, 7.0, dtype=dtype)
+    if head_major:
+        k_fused, v_fused = stored_layout(k_fused), stored_layout(v_fused)
     k_apart, v_apart = k_fused.clone(), v_fused.clone()
 
     q = fused.rope_write_kv(qkv, heads, kv_heads, head_dim, cos, sin, k_fused, v_fused, slots)
@@ -115,6 +120,7 @@ def test_rope_write_kv_equals_rope_then_write_kv(dtype, heads, kv_heads, head_di
     write_kv(k_rot, v, k_apart, v_apart, slots)
 
     assert q is not None and q.shape == (tokens, heads, head_dim)
+    assert k_fused.stride(1) == (head_dim if head_major else kv_heads * head_dim)
     if dtype == torch.bfloat16:  # products and the sum each round once, in both
         assert torch.equal(q, q_apart) and torch.equal(k_fused, k_apart)
     else:
@@ -123,7 +129,7 @@ def test_rope_write_kv_equals_rope_then_write_kv(dtype, heads, kv_heads, head_di
     assert torch.equal(v_fused, v_apart)
     untouched = torch.ones(blocks * block_size, dtype=torch.bool)
     untouched[slots[slots >= 0]] = False
-    assert bool((k_fused.view(-1, kv_heads, head_dim)[untouched] == 7.0).all())
+    assert bool((k_fused.reshape(-1, kv_heads, head_dim)[untouched] == 7.0).all())
 
 
 def test_rope_write_kv_leaves_partial_rotary_to_the_separate_passes():

@@ -93,6 +93,8 @@ def test_kv_pool_tensors_start_zeroed_in_the_documented_layout():
     for k, v in cache.kv_caches:
         assert k.shape == v.shape == (5, 4, 3, 8) and k.dtype == torch.bfloat16
         assert not k.any() and not v.any()
+        # Stored head-major: one KV head's rows of a block are contiguous (strides of block, position, head).
+        assert k.stride() == v.stride() == (3 * 4 * 8, 8, 4 * 8, 1)
 
 
 def test_kv_pool_is_on_base_pages_and_marked_so():

@@ -39,6 +39,7 @@ if not ON_GPU:
 
 from pagedllm.attention import AttentionCall, AttentionMetadata, paged_attention, triton_ops  # noqa: E402
 from pagedllm.attention import write_kv as cpu_write_kv  # noqa: E402
+from pagedllm.worker.cache_engine import stored_layout  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 TOLERANCE = {torch.float32: (1e-5, 0.0), torch.bfloat16: (1e-2, 1e-2)}
@@ -56,14 +57,15 @@ def make_case(
     seed: int = 0,
     shared_prefix_blocks: int = 0,
 ) -> tuple[torch.Tensor, ...]:
-    """Random caches and queries; each sequence's blocks are drawn from a shuffled pool (non-contiguous),
-    and the first `shared_prefix_blocks` blocks of every table are the same physical blocks (a prefix hit)."""
+    """Random caches, stored as the engine stores them (head-major blocks), and queries; each sequence's blocks
+    are drawn from a shuffled pool (non-contiguous), and the first `shared_prefix_blocks` blocks of every table
+    are the same physical blocks (a prefix hit)."""
     num_heads, num_kv_heads, head_dim = heads
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + 5
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    k_cache = stored_layout(torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype))
+    v_cache = stored_layout(torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype))
     pool = torch.randperm(num_blocks, generator=gen).tolist()
     shared = [pool.pop() for _ in range(shared_prefix_blocks)]
     tables = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)
@@ -278,7 +280,7 @@ def test_write_kv_kernel_stores_at_slots_and_skips_negative(dtype, block_size):
     key, value = fused[:, 0], fused[:, 1]
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
     slots[[1, 4]] = -1
-    expected_k = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    expected_k = stored_layout(torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype))
     expected_v = torch.zeros_like(expected_k)
     cpu_write_kv(key, value, expected_k, expected_v, slots)
     k_cache, v_cache = torch.zeros_like(expected_k, device=DEVICE), torch.zeros_like(expected_v, device=DEVICE)

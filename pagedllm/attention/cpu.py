@@ -48,7 +48,7 @@ _ARGTYPES = [
     *[ctypes.c_void_p] * 4,
     ctypes.c_int64,
     *[ctypes.c_void_p] * 3,
-    *[ctypes.c_int64] * 5,
+    *[ctypes.c_int64] * 8,
     ctypes.c_float,
     ctypes.c_int64,
     ctypes.c_float,
@@ -101,12 +101,15 @@ def has_fast_bf16() -> bool:
     return lib is not None and hasattr(lib, _FAST_BF16)
 
 
-def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the C kernels run this call: they take any block, position and head strides of the caches
+    (the same for K and V) but contiguous rows."""
     return (
         query.device.type == "cpu"
         and query.dtype in _PORTABLE
         and k_cache.dtype in (query.dtype, torch.int8)
-        and k_cache.is_contiguous()
+        and k_cache.stride(-1) == 1
+        and k_cache.stride() == v_cache.stride()
         and query.shape[-1] <= MAX_HEAD_DIM
         and query.shape[1] // k_cache.shape[2] <= MAX_GROUP
         and library() is not None
@@ -220,6 +223,7 @@ def _kernel(query: torch.Tensor, call: AttentionCall) -> torch.Tensor:
         num_kv_heads,
         head_dim,
         block_size,
+        *k_cache.stride()[:3],
         call.scale,
         int(call.window),
         float(call.softcap),

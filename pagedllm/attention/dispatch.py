@@ -21,7 +21,7 @@ Attend = Callable[[AttentionCall], torch.Tensor]
 
 
 def _c_kernel_or_torch(call: AttentionCall) -> torch.Tensor:
-    return (cpu.attend if cpu.supports(call.query, call.k_cache) else torch_ops.attend)(call)
+    return (cpu.attend if cpu.supports(call.query, call.k_cache, call.v_cache) else torch_ops.attend)(call)
 
 
 def _public(attend: Attend) -> Backend:
@@ -65,9 +65,11 @@ def write_kv(
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     if kv_quant.is_int8(k_cache):
         key, value = kv_quant.quantize(key), kv_quant.quantize(value)
-    num_heads, row_width = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_heads, row_width).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, num_heads, row_width).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    # Indexed by (block, offset), not through a view of the slots: the cache's storage need not be slot-major.
+    block_size = k_cache.shape[1]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    k_cache[blocks, offsets] = key.to(k_cache.dtype)
+    v_cache[blocks, offsets] = value.to(v_cache.dtype)
 
 
 def paged_attention(

@@ -114,12 +114,15 @@ static inline float silu(float x) {
     /* An attention layer's whole rotary pass and K/V write from its fused projection `qkv` [rows,    \
      * (heads + 2 kv_heads) head_dim] (row stride `qkv_stride`): the query heads rotated into `q_out`  \
      * [rows, heads, head_dim], the key heads rotated straight into the K cache at each row's slot and \
-     * the value heads copied into the V cache there (caches [slots, kv_heads, head_dim], contiguous); \
-     * a negative slot is padding and is not written. One pass instead of rope, rope and two scatters. */ \
+     * the value heads copied into the V cache there (caches [blocks, block_size, kv_heads, head_dim] \
+     * with strides `block_stride`, `position_stride`, `head_stride` in elements, K and V alike, rows  \
+     * contiguous); a negative slot is padding and is not written. One pass instead of rope, rope and  \
+     * two scatters. */                                                                               \
     void rope_write_kv_##SUFFIX(const T *qkv, int64_t qkv_stride, const T *cos, const T *sin, T *q_out, \
                                 T *k_cache, T *v_cache, const int64_t *slots, int64_t rows, int64_t heads, \
-                                int64_t kv_heads, int64_t head_dim) {                                 \
-        const int64_t half = head_dim / 2, kv_width = kv_heads * head_dim;                            \
+                                int64_t kv_heads, int64_t head_dim, int64_t block_size,               \
+                                int64_t block_stride, int64_t position_stride, int64_t head_stride) { \
+        const int64_t half = head_dim / 2;                                                            \
         _Pragma("omp parallel for schedule(static)")                                                  \
         for (int64_t r = 0; r < rows; r++) {                                                          \
             const T *row = qkv + r * qkv_stride, *c = cos + r * head_dim, *s = sin + r * head_dim;    \
@@ -127,10 +130,12 @@ static inline float silu(float x) {
                 rope_head_##SUFFIX(row + h * head_dim, c, s, q_out + (r * heads + h) * head_dim, half); \
             if (slots[r] < 0)                                                                         \
                 continue;                                                                             \
-            const T *k = row + heads * head_dim;                                                      \
-            for (int64_t h = 0; h < kv_heads; h++)                                                    \
-                rope_head_##SUFFIX(k + h * head_dim, c, s, k_cache + slots[r] * kv_width + h * head_dim, half); \
-            memcpy(v_cache + slots[r] * kv_width, k + kv_width, sizeof(T) * kv_width);                 \
+            const T *k = row + heads * head_dim, *v = k + kv_heads * head_dim;                        \
+            const int64_t slot = slots[r] / block_size * block_stride + slots[r] % block_size * position_stride; \
+            for (int64_t h = 0; h < kv_heads; h++) {                                                  \
+                rope_head_##SUFFIX(k + h * head_dim, c, s, k_cache + slot + h * head_stride, half);   \
+                memcpy(v_cache + slot + h * head_stride, v + h * head_dim, sizeof(T) * head_dim);    \
+            }                                                                                         \
         }                                                                                             \
     }
 

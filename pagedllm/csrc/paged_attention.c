@@ -7,8 +7,8 @@
  * The work is split into items. An item walks its context once, 16 positions (a "chunk") at a time,
  * with an online softmax: no scores buffer and no second pass over V. Each chunk of K and V is loaded
  * once for all the item's query rows (its tokens x the query heads of a KV head).
- *  - A decode token is one item with all its KV heads, so it reads each block whole and in order:
- *    reading one KV head's third of every row instead reaches 17 GB/s where whole blocks reach 25.
+ *  - A decode token is one item with all its KV heads, so it reads each block whole and in order: the
+ *    engine stores a block head-major (cache_engine), each KV head's rows one contiguous run.
  *    (When a step makes fewer than two items per thread, its decode tokens are split by KV head.)
  *  - A prefill chunk is cut into tiles of about ITEM_ROWS query rows of one KV head, so a chunk of K/V
  *    is reused from L1 by many rows, like a GEMM micro-kernel, and a long prompt makes many items.
@@ -70,7 +70,10 @@ typedef struct {
     void *out;
     const int32_t *block_tables, *seq_lens, *query_start_loc;
     int64_t table_stride, num_heads, num_kv_heads, head_dim, block_size;
-    int64_t row_stride; /* cache elements per (position, KV head) row: head_dim, + 4 in an int8 cache */
+    /* Cache strides in elements: of a block, a position inside it, a KV head. A row of head_dim (+ 4 bytes of
+     * scale in an int8 cache) elements is contiguous; the engine stores each KV head's rows of a block
+     * together (head_stride = block_size x position_stride), tests also the token-major order. */
+    int64_t block_stride, position_stride, head_stride;
     float scale_log2e; /* softmax in base 2: exp(x * scale) = exp2(x * scale * log2 e) */
     int64_t window;        /* 0: no sliding window */
     float cap_in, cap_out; /* soft-capping (mode CAPPED): logit (base 2) = tanh(dot * cap_in) * cap_out */
@@ -147,19 +150,19 @@ static Item *build_items(const Batch *b, int64_t num_seqs, int64_t *num_items) {
  * position (block sizes need not be powers of two). */
 typedef struct {
     const int32_t *table;
-    int64_t position, len, block, offset, block_size, width;
+    int64_t position, len, block, offset, block_size, block_stride, position_stride;
 } Cursor;
 
 /* From position `start`, a multiple of the block size. */
 static inline Cursor cursor_start(const Batch *b, const Item *it, int64_t start) {
     return (Cursor){b->block_tables + it->seq * b->table_stride, start, b->seq_lens[it->seq], start / b->block_size,
-                    0, b->block_size, b->num_kv_heads * b->row_stride};
+                    0, b->block_size, b->block_stride, b->position_stride};
 }
 
 /* The offsets (in elements) of the next CHUNK positions' rows (KV head 0), or -1 past the end. */
 static inline __attribute__((always_inline)) void cursor_next(Cursor *c, int64_t rows[CHUNK]) {
     for (int p = 0; p < CHUNK; p++) {
-        rows[p] = c->position < c->len ? ((int64_t)c->table[c->block] * c->block_size + c->offset) * c->width : -1;
+        rows[p] = c->position < c->len ? c->table[c->block] * c->block_stride + c->offset * c->position_stride : -1;
         c->position++;
         if (++c->offset == c->block_size) {
             c->offset = 0;
@@ -168,20 +171,20 @@ static inline __attribute__((always_inline)) void cursor_next(Cursor *c, int64_t
     }
 }
 
-/* Blocks are scattered, so the hardware prefetcher loses the stream at every block boundary: while
- * one KV head of a chunk is computed, ask for the same KV head's rows of the next two chunks (the next
- * one's are mostly on their way already; asking again covers the first chunks of an item). Into L2
- * only (locality 1): the same prefetches into L1, or a whole chunk's KV heads at once, fill the miss
- * buffers; one chunk ahead, or into L1, made a cold 111 x 290 decode 20-40% slower. */
-static inline void prefetch_rows(const Batch *b, const int64_t rows[CHUNK], int64_t kv_offset, int64_t element_size) {
-    const int64_t bytes = b->head_dim * element_size;
-    for (int p = 0; p < CHUNK && rows[p] >= 0; p++) {
-        const char *k = (const char *)b->k_cache + (rows[p] + kv_offset) * element_size;
-        const char *v = (const char *)b->v_cache + (rows[p] + kv_offset) * element_size;
-        for (int64_t offset = 0; offset < bytes; offset += 64) {
-            __builtin_prefetch(k + offset, 0, 1);
-            __builtin_prefetch(v + offset, 0, 1);
-        }
+/* Blocks are scattered, so the hardware prefetcher loses the stream at every block boundary. In the
+ * engine's head-major caches one KV head's rows of a block are one contiguous run (4 KB for the default
+ * model), which the prefetcher streams once it has seen its start: while one KV head of a chunk is
+ * computed, ask for the first row of the same KV head's rows in the next two chunks, into L2 (locality 1).
+ * Asking for whole runs instead was 4-7% slower on a cold 111 x 290 decode (AVX2 kind), asking for none
+ * 0-4% slower (docs/PERFORMANCE.md, "Decode attention reads a block head by head"). */
+static inline void prefetch_first_row(const Batch *b, const int64_t rows[CHUNK], int64_t kv_offset,
+                                      int64_t element_size) {
+    if (rows[0] < 0) return;
+    const char *k = (const char *)b->k_cache + (rows[0] + kv_offset) * element_size;
+    const char *v = (const char *)b->v_cache + (rows[0] + kv_offset) * element_size;
+    for (int64_t offset = 0; offset < b->head_dim * element_size; offset += 64) {
+        __builtin_prefetch(k + offset, 0, 1);
+        __builtin_prefetch(v + offset, 0, 1);
     }
 }
 
@@ -417,15 +420,15 @@ static inline __attribute__((always_inline)) void row_chunk(const float *restric
             memcpy(next, after_next, sizeof next);                                                            \
             cursor_next(&cursor, after_next);                                                                 \
             for (int64_t kv = 0; kv < it->kv_end - it->kv_begin; kv++) {                                      \
-                const int64_t kv_offset = (it->kv_begin + kv) * b->row_stride;                                \
-                prefetch_rows(b, next, kv_offset, sizeof(C));                                                 \
-                prefetch_rows(b, after_next, kv_offset, sizeof(C));                                           \
+                const int64_t kv_offset = (it->kv_begin + kv) * b->head_stride;                               \
+                prefetch_first_row(b, next, kv_offset, sizeof(C));                                            \
+                prefetch_first_row(b, after_next, kv_offset, sizeof(C));                                      \
                 const float *keys = key_rows, *values = value_rows;                                           \
                 int64_t stride = head_dim;                                                                    \
                 if (in_place) {                                                                               \
                     keys = (const float *)(k_cache + offsets[0] + kv_offset);                                 \
                     values = (const float *)(v_cache + offsets[0] + kv_offset);                               \
-                    stride = b->num_kv_heads * head_dim;                                                      \
+                    stride = b->position_stride;                                                              \
                 } else {                                                                                      \
                     for (int64_t p = 0; p < CHUNK && offsets[p] >= 0; p++) {                                  \
                         LOAD_ROW(k_cache + offsets[p] + kv_offset, key_rows + p * head_dim, head_dim);        \
@@ -846,9 +849,9 @@ static inline __attribute__((always_inline)) void fast_item_at(const Batch *b, c
         memcpy(next, after_next, sizeof next);
         cursor_next(&cursor, after_next);
         for (int64_t kv = 0; kv < it->kv_end - it->kv_begin; kv++) {
-            const int64_t kv_offset = (it->kv_begin + kv) * head_dim;
-            prefetch_rows(b, next, kv_offset, sizeof(uint16_t));
-            prefetch_rows(b, after_next, kv_offset, sizeof(uint16_t));
+            const int64_t kv_offset = (it->kv_begin + kv) * b->head_stride;
+            prefetch_first_row(b, next, kv_offset, sizeof(uint16_t));
+            prefetch_first_row(b, after_next, kv_offset, sizeof(uint16_t));
             const uint16_t *k_rows[CHUNK], *v_rows[CHUNK];
             for (int p = 0; p < CHUNK; p++) {
                 k_rows[p] = offsets[p] >= 0 ? k_cache + offsets[p] + kv_offset : ZERO_ROW;
@@ -889,15 +892,17 @@ static void fast_item_capped(const Batch *b, const Item *it) {
 /* ---------------------------------------------------------------------------------------------- */
 /* Entry points                                                                                     */
 
-/* `query`/`out` [tokens, num_heads, head_dim] contiguous; caches [blocks, block_size, num_kv_heads,
- * head_dim + ROW_PAD] contiguous (ROW_PAD: the 4 bytes of an int8 row's scale, else 0); `block_tables` int32 rows of `table_stride`; `seq_lens` int32 [num_seqs];
+/* `query`/`out` [tokens, num_heads, head_dim] contiguous; caches [blocks, block_size, num_kv_heads, row] with
+ * strides (in elements) `block_stride`, `position_stride`, `head_stride` and contiguous rows (head_dim values,
+ * then in an int8 cache their 4-byte scale), K and V alike; `block_tables` int32 rows of `table_stride`; `seq_lens` int32 [num_seqs];
  * `query_start_loc` int32 [num_seqs + 1]. Sequences with no query tokens are skipped. `window` > 0 is a
  * sliding window of that many positions, `softcap` > 0 caps the scaled logits (0: neither). */
-#define DEFINE_ENTRY(NAME, ITEM_FN, ROW_PAD)                                                                    \
+#define DEFINE_ENTRY(NAME, ITEM_FN)                                                                              \
     void NAME(const void *query, const void *k_cache, const void *v_cache, const int32_t *block_tables,         \
               int64_t table_stride, const int32_t *seq_lens, const int32_t *query_start_loc, void *out,         \
               int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,  \
-              float scale, int64_t window, float softcap) {                                                     \
+              int64_t block_stride, int64_t position_stride, int64_t head_stride, float scale, int64_t window,  \
+              float softcap) {                                                                                  \
         const int capped = softcap > 0.f;                                                                       \
         const Batch b = {query,                                                                                 \
                          k_cache,                                                                               \
@@ -911,7 +916,9 @@ static void fast_item_capped(const Batch *b, const Item *it) {
                          num_kv_heads,                                                                          \
                          head_dim,                                                                              \
                          block_size,                                                                            \
-                         head_dim + (ROW_PAD),                                                                  \
+                         block_stride,                                                                          \
+                         position_stride,                                                                       \
+                         head_stride,                                                                           \
                          scale * LOG2E,                                                                         \
                          window > 0 ? window : 0,                                                               \
                          capped ? scale / softcap : 0.f,                                                        \
@@ -919,10 +926,10 @@ static void fast_item_capped(const Batch *b, const Item *it) {
         run_items(&b, num_seqs, capped ? ITEM_FN##_capped : window > 0 ? ITEM_FN##_windowed : ITEM_FN);         \
     }
 
-DEFINE_ENTRY(paged_attention_f32_portable, portable_item_f32, 0)
-DEFINE_ENTRY(paged_attention_bf16_portable, portable_item_bf16, 0)
-DEFINE_ENTRY(paged_attention_f32_int8kv_portable, portable_item_f32_int8kv, 4)
-DEFINE_ENTRY(paged_attention_bf16_int8kv_portable, portable_item_bf16_int8kv, 4)
+DEFINE_ENTRY(paged_attention_f32_portable, portable_item_f32)
+DEFINE_ENTRY(paged_attention_bf16_portable, portable_item_bf16)
+DEFINE_ENTRY(paged_attention_f32_int8kv_portable, portable_item_f32_int8kv)
+DEFINE_ENTRY(paged_attention_bf16_int8kv_portable, portable_item_bf16_int8kv)
 #ifdef FAST
-DEFINE_ENTRY(paged_attention_bf16_avx512, fast_item, 0)
+DEFINE_ENTRY(paged_attention_bf16_avx512, fast_item)
 #endif

@@ -19,7 +19,7 @@ _SIGNATURES = {
     "rms_norm_offset": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32],
     "silu_mul": [_PTR, _PTR, _I64, _I64],
     "rope": [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64],
-    "rope_write_kv": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64],
+    "rope_write_kv": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, *[_I64] * 8],
 }
 
 
@@ -143,13 +143,15 @@ def rope_write_kv(
 ) -> torch.Tensor | None:
     """An attention layer's rotary embedding and K/V write in one pass over its fused projection `qkv`
     `[tokens, (heads + 2 kv_heads) head_dim]`: returns the rotated queries `[tokens, heads, head_dim]`, and
-    writes the rotated keys and the values into the caches `[blocks, block_size, kv_heads, head_dim]` at
-    each token's slot (negative: padding, not written). None where the C kernel cannot run (another device
-    or dtype, a partial rotary, a cache not laid out so): the caller then ropes and writes separately."""
+    writes the rotated keys and the values into the caches `[blocks, block_size, kv_heads, head_dim]` (any
+    block, position and head strides, the same for both; contiguous rows) at each token's slot (negative:
+    padding, not written). None where the C kernel cannot run (another device or dtype, a partial rotary, a
+    cache not laid out so): the caller then ropes and writes separately."""
     if (
         qkv.stride(-1) != 1
         or cos.shape[-1] != head_dim
-        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+        or k_cache.stride(-1) != 1
+        or k_cache.stride() != v_cache.stride()
         or slot_mapping.dtype != torch.int64
         or slot_mapping.device.type != "cpu"
     ):
@@ -172,5 +174,7 @@ def rope_write_kv(
         heads,
         kv_heads,
         head_dim,
+        k_cache.shape[1],
+        *k_cache.stride()[:3],
     )
     return q

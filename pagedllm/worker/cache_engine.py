@@ -1,6 +1,12 @@
 """The KV tensors: one (K, V) pair per layer, `[num_blocks, block_size, num_kv_heads, head_dim]` each, or in
 an int8 cache `[..., head_dim + 4]` (each row's float32 scale after its values: `attention.kv_quant`), so
-that swaps and copy-on-write move a block's scales with it."""
+that swaps and copy-on-write move a block's scales with it.
+
+That shape is a view: the memory holds each block head-major, `[num_blocks, num_kv_heads, block_size, row]`,
+so that one KV head's rows of a block are one contiguous run (4 KB for the default model) which a decode
+step's attention reads as a stream, instead of a third of every 768-byte position row (docs/PERFORMANCE.md,
+"Decode attention reads a block head by head"). Whatever reads or writes the caches goes through their
+strides or their indexing, never a `view` of the slots."""
 
 from __future__ import annotations
 
@@ -49,18 +55,17 @@ class CacheEngine:
     ) -> None:
         self.shape = shape
         self.num_blocks = num_blocks
-        dims = (num_blocks, shape.block_size, shape.num_kv_heads, shape.row_width)
-        cpu_dims = (num_cpu_blocks, *dims[1:])
         self.cpu_caches = (
             [
-                (zeroed(cpu_dims, shape.dtype, "cpu"), zeroed(cpu_dims, shape.dtype, "cpu"))
+                (kv_tensor(shape, num_cpu_blocks, "cpu"), kv_tensor(shape, num_cpu_blocks, "cpu"))
                 for _ in range(shape.num_layers)
             ]
             if num_cpu_blocks
             else []
         )
         self.kv_caches = [
-            (zeroed(dims, shape.dtype, device), zeroed(dims, shape.dtype, device)) for _ in range(shape.num_layers)
+            (kv_tensor(shape, num_blocks, device), kv_tensor(shape, num_blocks, device))
+            for _ in range(shape.num_layers)
         ]
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
@@ -85,6 +90,18 @@ def _copy_between(
     for (src_k, src_v), (dst_k, dst_v) in zip(source, target, strict=True):
         dst_k.index_copy_(0, dst.to(dst_k.device), src_k.index_select(0, src.to(src_k.device)).to(dst_k.device))
         dst_v.index_copy_(0, dst.to(dst_v.device), src_v.index_select(0, src.to(src_v.device)).to(dst_v.device))
+
+
+def kv_tensor(shape: KVShape, num_blocks: int, device: torch.device | str) -> torch.Tensor:
+    """One layer's K or V cache: `[num_blocks, block_size, num_kv_heads, row_width]`, stored head-major."""
+    storage = zeroed((num_blocks, shape.num_kv_heads, shape.block_size, shape.row_width), shape.dtype, device)
+    return storage.transpose(1, 2)
+
+
+def stored_layout(cache: torch.Tensor) -> torch.Tensor:
+    """A copy of `cache` `[blocks, block_size, H_kv, row]` laid out as `kv_tensor` lays out the engine's (for
+    tests and benchmarks that build caches by hand)."""
+    return cache.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def zeroed(dims: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
