@@ -54,6 +54,7 @@ _ARGTYPES = [
     ctypes.c_float,
 ]
 _TANH = "paged_attention_tanh"  # the kernels' tanh, exported for the tests
+_WRITE_KV = "paged_attention_write_kv"
 # Where a chunk's attention is GEMM-shaped enough for SDPA's AMX tiles to beat the C kernel by 1.5x or more:
 # enough query rows per tile and enough scores in all (measured on the AMX kind, docs/PERFORMANCE.md).
 SDPA_MIN_QUERY = 64
@@ -82,6 +83,8 @@ def library() -> ctypes.CDLL | None:
             kernel.restype = None
     getattr(lib, _TANH).argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     getattr(lib, _TANH).restype = None
+    getattr(lib, _WRITE_KV).argtypes = [*[ctypes.c_void_p] * 5, *[ctypes.c_int64] * 7]
+    getattr(lib, _WRITE_KV).restype = None
     return lib
 
 
@@ -101,15 +104,19 @@ def has_fast_bf16() -> bool:
     return lib is not None and hasattr(lib, _FAST_BF16)
 
 
+def takes_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the C kernels can read and write these caches: on the CPU, any block, position and head strides
+    (the same for K and V), contiguous rows."""
+    return k_cache.device.type == "cpu" and k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
+
+
 def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether the C kernels run this call: they take any block, position and head strides of the caches
-    (the same for K and V) but contiguous rows."""
+    """Whether the C kernels run this call."""
     return (
         query.device.type == "cpu"
         and query.dtype in _PORTABLE
         and k_cache.dtype in (query.dtype, torch.int8)
-        and k_cache.stride(-1) == 1
-        and k_cache.stride() == v_cache.stride()
+        and takes_caches(k_cache, v_cache)
         and query.shape[-1] <= MAX_HEAD_DIM
         and query.shape[1] // k_cache.shape[2] <= MAX_GROUP
         and library() is not None
@@ -199,6 +206,31 @@ def _sdpa_chunk(call: AttentionCall, chunk: PrefillChunk) -> torch.Tensor:
         enable_gqa=True,
     )
     return out[0].transpose(0, 1)
+
+
+def write_kv(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> bool:
+    """Store `key`/`value` `[T, H_kv, row]` (already in the caches' dtype) at each token's slot, a negative slot
+    skipped, with the C loop; False, with nothing written, where it cannot (no compiler, caches it cannot take)."""
+    lib = library()
+    if lib is None or not takes_caches(k_cache, v_cache) or slot_mapping.device.type != "cpu":
+        return False
+    key, value, slots = key.contiguous(), value.contiguous(), slot_mapping.to(torch.int64).contiguous()
+    element = k_cache.element_size()
+    getattr(lib, _WRITE_KV)(
+        key.data_ptr(),
+        value.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slots.data_ptr(),
+        key.shape[0],
+        k_cache.shape[2],
+        k_cache.shape[3] * element,
+        k_cache.shape[1],
+        *(stride * element for stride in k_cache.stride()[:3]),
+    )
+    return True
 
 
 def _kernel(query: torch.Tensor, call: AttentionCall) -> torch.Tensor:

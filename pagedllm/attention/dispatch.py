@@ -60,16 +60,19 @@ def write_kv(
 
         triton_ops.write_kv(key, value, k_cache, v_cache, slot_mapping)
         return
+    if kv_quant.is_int8(k_cache):
+        key, value = kv_quant.quantize(key), kv_quant.quantize(value)
+    key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
+    if cpu.write_kv(key, value, k_cache, v_cache, slot_mapping):
+        return
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    if kv_quant.is_int8(k_cache):
-        key, value = kv_quant.quantize(key), kv_quant.quantize(value)
     # Indexed by (block, offset), not through a view of the slots: the cache's storage need not be slot-major.
     block_size = k_cache.shape[1]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    k_cache[blocks, offsets] = key.to(k_cache.dtype)
-    v_cache[blocks, offsets] = value.to(v_cache.dtype)
+    k_cache[blocks, offsets] = key
+    v_cache[blocks, offsets] = value
 
 
 def paged_attention(

@@ -11,6 +11,7 @@ from functools import cache
 import torch
 
 from pagedllm import native
+from pagedllm.attention.cpu import takes_caches
 
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _PTR, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -150,8 +151,7 @@ def rope_write_kv(
     if (
         qkv.stride(-1) != 1
         or cos.shape[-1] != head_dim
-        or k_cache.stride(-1) != 1
-        or k_cache.stride() != v_cache.stride()
+        or not takes_caches(k_cache, v_cache)
         or slot_mapping.dtype != torch.int64
         or slot_mapping.device.type != "cpu"
     ):
