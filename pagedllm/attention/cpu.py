@@ -112,13 +112,19 @@ def takes_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether the C kernels run this call."""
+    return query.device.type == "cpu" and takes_shape(query.dtype, query.shape[1], query.shape[-1], k_cache, v_cache)
+
+
+def takes_shape(
+    dtype: torch.dtype, num_heads: int, head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> bool:
+    """Whether the C kernels take CPU queries of `dtype` with `num_heads` heads of `head_dim` on these caches."""
     return (
-        query.device.type == "cpu"
-        and query.dtype in _PORTABLE
-        and k_cache.dtype in (query.dtype, torch.int8)
+        dtype in _PORTABLE
+        and k_cache.dtype in (dtype, torch.int8)
         and takes_caches(k_cache, v_cache)
-        and query.shape[-1] <= MAX_HEAD_DIM
-        and query.shape[1] // k_cache.shape[2] <= MAX_GROUP
+        and head_dim <= MAX_HEAD_DIM
+        and num_heads // k_cache.shape[2] <= MAX_GROUP
         and library() is not None
     )
 

@@ -33,6 +33,10 @@ def _public(attend: Attend) -> Backend:
     return backend
 
 
+# The CPU default, one object so that a caller can tell it apart (models/lean.py calls its C kernel directly).
+CPU_BACKEND = _public(_c_kernel_or_torch)
+
+
 def get_backend(name: str | None, device: torch.device | str, *, partition_size: int | None = None) -> Backend:
     """The backend called `name`, or the device's default: "triton" on CUDA, "cpu" elsewhere.
     `partition_size` belongs to the Triton decode kernels (the context length of one v2 partition, and an
@@ -44,7 +48,9 @@ def get_backend(name: str | None, device: torch.device | str, *, partition_size:
         if partition_size is None:
             return _public(triton_ops.attend)
         return _public(functools.partial(triton_ops.attend, partition_size=partition_size))
-    backends: dict[str, Attend] = {"cpu": _c_kernel_or_torch, "torch": torch_ops.attend, "reference": reference.attend}
+    if name == "cpu":
+        return CPU_BACKEND
+    backends: dict[str, Attend] = {"torch": torch_ops.attend, "reference": reference.attend}
     if name not in backends:
         raise ValueError(f"backend must be 'reference', 'torch', 'cpu' or 'triton', got {name!r}")
     return _public(backends[name])

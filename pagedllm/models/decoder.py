@@ -22,6 +22,7 @@ batch of tokens from many sequences.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -45,6 +46,18 @@ class StepContext:
     attention: Backend
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
     lora: LoRABatch | None = None  # the rows that run under LoRA adapters, by adapter slot
+
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [tokens, rotary_dim]
+
+
+class LayerLoop(Protocol):
+    """The decoder layers run another way for the steps it `takes` (`models/lean.py`: one C call): `run` updates
+    the residual stream in place and returns the last layer's MLP output, as the layers' loop does."""
+
+    def takes(self, residual: torch.Tensor, rope: Rope, ctx: StepContext) -> bool: ...
+
+    def run(self, residual: torch.Tensor, rope: Rope, ctx: StepContext) -> torch.Tensor: ...
 
 
 class Linear(nn.Module):
@@ -303,10 +316,13 @@ class CausalLM(nn.Module):
         if config.rope_local is not None:
             ropes[SLIDING] = RotaryEmbedding(config, config.rope_local, SLIDING)
         self.rotary = nn.ModuleDict(ropes)
+        self.lean: LayerLoop | None = None  # set by the loader where every layer can run in one C call (lean.py)
 
     def forward(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         residual = self.embed_tokens(input_ids)
         ropes = {key: rotary(ctx.positions, residual.dtype) for key, rotary in self.rotary.items()}
+        if self.lean is not None and self.lean.takes(residual, ropes[FULL], ctx):
+            return self.norm(self.lean.run(residual, ropes[FULL], ctx), residual)
         x = None
         for layer in self.layers:
             x = layer(x, residual, ropes[layer.rope_key], ctx)

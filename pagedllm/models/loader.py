@@ -19,6 +19,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from pagedllm.distributed.parallel import Shard
 from pagedllm.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from pagedllm.models.decoder import CausalLM, Embedding, Linear
+from pagedllm.models.lean import LeanLayers
 from pagedllm.models.moe import moe_weights
 from pagedllm.models.prepack import can_prepack
 from pagedllm.models.quantized import (
@@ -104,6 +105,8 @@ def load_model(
     tokenizer = AutoTokenizer.from_pretrained(folder)
     net = net.to(device).eval().requires_grad_(False)
     net.prepack()
+    if quantized_path:
+        net.lean = LeanLayers.of(net, dtype)
     return LoadedModel(net, config, tokenizer, folder)
 
 

@@ -17,6 +17,7 @@ float32 model on the dequantized weights up to summation order.
 from __future__ import annotations
 
 import ctypes
+import sys
 from dataclasses import dataclass
 from functools import cache
 
@@ -265,15 +266,37 @@ def concatenate(parts: list[QuantizedWeight]) -> QuantizedWeight:
     return QuantizedWeight(first.kind, torch.cat([p.data for p in parts]), first.in_features)
 
 
+def direct_kernel(weight: QuantizedWeight | PackedWeight, dtype: torch.dtype) -> ctypes._CFuncPtr | None:
+    """The C kernel that multiplies up to `direct_rows(dtype)` rows of `dtype` by `weight` in one call, reading
+    the rows and writing `[rows, out_features]` in `dtype` (`kernel(x, rows, in_features, blocks, out_features,
+    y)`): the blocks' float32 kernel, or bf16's integer kernel on packed weights. None where `matmul` does more
+    around its kernel (widens, rounds, tiles)."""
+    lib = library()
+    if lib is None or weight.kind not in _KERNELS:
+        return None
+    if isinstance(weight, PackedWeight):
+        return getattr(lib, f"gemm_vnni_{_KERNELS[weight.kind]}") if dtype == torch.bfloat16 else None
+    return getattr(lib, f"gemm_{_KERNELS[weight.kind]}") if dtype == torch.float32 else None
+
+
+def direct_rows(dtype: torch.dtype) -> int:
+    """Most rows of `dtype` a `direct_kernel` takes (float32: `FEW_ROWS`, also in a layer with a dense copy)."""
+    return few_rows(dtype) if dtype == torch.float32 else sys.maxsize
+
+
 def matmul(x: torch.Tensor, weight: QuantizedWeight | PackedWeight) -> torch.Tensor:
     """`x @ W.T` for `x` `[rows, in_features]`, in x's dtype."""
     lib = library()
     if x.shape[0] == 0:
         return x.new_empty((0, weight.out_features))
+    kernel = direct_kernel(weight, x.dtype)
+    if kernel is not None and x.shape[0] <= direct_rows(x.dtype):
+        x, rows = x.contiguous(), x.shape[0]
+        out = torch.empty(rows, weight.out_features, dtype=x.dtype)
+        kernel(x.data_ptr(), rows, weight.in_features, weight.data.data_ptr(), weight.out_features, out.data_ptr())
+        return out
     if isinstance(weight, PackedWeight):
         assert lib is not None
-        if x.dtype == torch.bfloat16:
-            return _vnni_product(x, weight, lib)
         return _tiled_product(x, weight, lib)
     if lib is None or weight.kind not in _KERNELS:
         return nn.functional.linear(x, weight.dequantize(x.dtype, native_ok=False))
@@ -296,16 +319,6 @@ def _bf16_product(x: torch.Tensor, weight: QuantizedWeight, lib: ctypes.CDLL) ->
     kernel = getattr(lib, f"gemm_bf16_{'lut_' if table else ''}{_KERNELS[weight.kind]}")
     kernel(x.data_ptr(), x.shape[0], weight.in_features, weight.data.data_ptr(), weight.out_features, out.data_ptr())
     return out.to(torch.bfloat16)
-
-
-def _vnni_product(x: torch.Tensor, weight: PackedWeight, lib: ctypes.CDLL) -> torch.Tensor:
-    """`x @ W.T` for bf16 `x` by integer dot products: x quantized to int16 per block of 32, int32 sums
-    scaled per block in float32, bf16 out."""
-    x = x.contiguous()
-    out = torch.empty(x.shape[0], weight.out_features, dtype=torch.bfloat16)
-    kernel = getattr(lib, f"gemm_vnni_{_KERNELS[weight.kind]}")
-    kernel(x.data_ptr(), x.shape[0], weight.in_features, weight.data.data_ptr(), weight.out_features, out.data_ptr())
-    return out
 
 
 def _tiled_product(x: torch.Tensor, weight: QuantizedWeight | PackedWeight, lib: ctypes.CDLL) -> torch.Tensor:
