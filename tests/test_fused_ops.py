@@ -137,3 +137,13 @@ def test_rope_write_kv_leaves_partial_rotary_to_the_separate_passes():
     cos = sin = torch.ones(3, 32, dtype=torch.bfloat16)  # rotary_dim 32 < head_dim 64 (Phi3)
     cache = torch.zeros(2, 4, 1, 64, dtype=torch.bfloat16)
     assert fused.rope_write_kv(qkv, 2, 1, 64, cos, sin, cache, cache.clone(), torch.arange(3)) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_bias_rounds_as_torch_adds(dtype):
+    """The decoder layers' C loop (models/lean.py) adds a projection's bias with it: bit for bit torch's `y + b`."""
+    torch.manual_seed(2)
+    y, bias = torch.randn(5, 200).to(dtype) * 7, torch.randn(200).to(dtype)
+    expected = y + bias
+    getattr(fused.library(), f"add_bias_{fused._SUFFIX[dtype]}")(y.data_ptr(), bias.data_ptr(), 5, 200)
+    assert torch.equal(y, expected)

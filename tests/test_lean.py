@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from safetensors.torch import load_file, save_file
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.models import lean as lean_module
@@ -23,12 +24,12 @@ from tests.test_gguf_families import FAMILIES, save_tiny_family, write_gguf
 TINY = {
     "llama-q4_1": dataclasses.replace(FAMILIES["llama"], quant={"": Q.Q4_1}),
     "mistral-q8_0": dataclasses.replace(FAMILIES["mistral"], quant={"": Q.Q8_0}),
-    # Not lean: q/k/v of two types (two parts), a bias on q/k/v, Gemma's sandwich norms.
+    "qwen2-q8_0": dataclasses.replace(FAMILIES["qwen2"], f16=False, quant={"": Q.Q8_0}),  # biases on q/k/v
+    # Not lean: q/k/v of two types (two parts), Gemma's sandwich norms.
     "llama-q4_0-v-q8_0": dataclasses.replace(FAMILIES["llama"], quant={"attn_v": Q.Q8_0, "": Q.Q4_0}),
-    "qwen2-q8_0": dataclasses.replace(FAMILIES["qwen2"], f16=False, quant={"": Q.Q8_0}),
     "gemma2-q4_1": dataclasses.replace(FAMILIES["gemma2"], quant={"": Q.Q4_1}),
 }
-LEAN = {"llama-q4_1", "mistral-q8_0"}
+LEAN = {"llama-q4_1", "mistral-q8_0", "qwen2-q8_0"}
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +38,19 @@ def tiny_files(tmp_path_factory) -> dict[str, Path]:
     files = {}
     for name, family in TINY.items():
         files[name] = root / f"{name}.gguf"
-        write_gguf(save_tiny_family(root / name, family), files[name], family)
+        write_gguf(with_biases(save_tiny_family(root / name, family)), files[name], family)
     return files
+
+
+def with_biases(folder: Path) -> Path:
+    """The folder with its biases (transformers starts them at zero) drawn at random, so that they count."""
+    weights = load_file(folder / "model.safetensors")
+    generator = torch.Generator().manual_seed(5)
+    for name, tensor in weights.items():
+        if name.endswith(".bias"):
+            weights[name] = torch.randn(tensor.shape, generator=generator).to(tensor.dtype)
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
 
 
 @pytest.fixture(autouse=True)

@@ -17,6 +17,7 @@ typedef void (*Product)(const void *x, int64_t m, int64_t k, const void *w, int6
 typedef void (*Norm)(const void *x, void *residual, const void *weight, void *out, int64_t rows, int64_t dim,
                      float eps);
 typedef void (*ActMul)(const void *gate_up, void *out, int64_t rows, int64_t dim);
+typedef void (*AddBias)(void *y, const void *bias, int64_t rows, int64_t dim);
 typedef void (*RopeWriteKV)(const void *qkv, int64_t qkv_stride, const void *cos, const void *sin, void *q_out,
                             void *k_cache, void *v_cache, const int64_t *slots, int64_t rows, int64_t heads,
                             int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t block_stride,
@@ -27,10 +28,10 @@ typedef void (*Attend)(const void *query, const void *k_cache, const void *v_cac
                        int64_t block_size, int64_t block_stride, int64_t position_stride, int64_t head_stride,
                        float scale, int64_t window, float softcap);
 
-/* One weight: its kernel, its blocks (or packed blocks), its output features. */
+/* One projection: its kernel, its blocks (or packed blocks), its output features and its bias (or NULL). */
 typedef struct {
     Product kernel;
-    const void *weight;
+    const void *weight, *bias;
     int64_t out_features;
 } Matrix;
 
@@ -47,6 +48,7 @@ typedef struct {
     float eps, scale, softcap;
     Norm norm;
     ActMul act_mul;
+    AddBias add_bias;
     RopeWriteKV rope_write_kv;
     Attend attend;
 } Model;
@@ -65,21 +67,27 @@ typedef struct {
     void *residual, *hidden, *qkv, *q, *attention, *projected, *gate_up, *activated, *out;
 } Step;
 
+/* y [rows, out_features] = x [rows, in_features] times the projection, plus its bias. */
+static void project(const Model *m, const Matrix *p, const void *x, int64_t rows, int64_t in_features, void *y) {
+    p->kernel(x, rows, in_features, p->weight, p->out_features, y);
+    if (p->bias) m->add_bias(y, p->bias, rows, p->out_features);
+}
+
 static void attention_block(const Model *m, const Layer *layer, const Step *s, void *k_cache, void *v_cache) {
     const int64_t q_size = m->heads * m->head_dim, qkv_size = q_size + 2 * m->kv_heads * m->head_dim;
-    layer->qkv.kernel(s->hidden, s->rows, m->hidden, layer->qkv.weight, qkv_size, s->qkv);
+    project(m, &layer->qkv, s->hidden, s->rows, m->hidden, s->qkv);
     m->rope_write_kv(s->qkv, qkv_size, s->cos, s->sin, s->q, k_cache, v_cache, s->slots, s->rows, m->heads,
                      m->kv_heads, m->head_dim, s->block_size, s->block_stride, s->position_stride, s->head_stride);
     m->attend(s->q, k_cache, v_cache, s->block_tables, s->table_stride, s->seq_lens, s->query_start_loc,
               s->attention, s->num_seqs, m->heads, m->kv_heads, m->head_dim, s->block_size, s->block_stride,
               s->position_stride, s->head_stride, m->scale, layer->window, m->softcap);
-    layer->o.kernel(s->attention, s->rows, q_size, layer->o.weight, m->hidden, s->projected);
+    project(m, &layer->o, s->attention, s->rows, q_size, s->projected);
 }
 
 static void feed_forward(const Model *m, const Layer *layer, const Step *s) {
-    layer->gate_up.kernel(s->hidden, s->rows, m->hidden, layer->gate_up.weight, 2 * m->intermediate, s->gate_up);
+    project(m, &layer->gate_up, s->hidden, s->rows, m->hidden, s->gate_up);
     m->act_mul(s->gate_up, s->activated, s->rows, m->intermediate);
-    layer->down.kernel(s->activated, s->rows, m->intermediate, layer->down.weight, m->hidden, s->out);
+    project(m, &layer->down, s->activated, s->rows, m->intermediate, s->out);
 }
 
 /* Every layer over the step; `residual` holds the embeddings on entry. */

@@ -78,6 +78,15 @@ static inline float silu(float x) {
         rms_norm_any_##SUFFIX(x, residual, weight, out, rows, dim, eps, 1);                           \
     }                                                                                                 \
                                                                                                       \
+    /* y [rows, dim] = round(y + bias), in place (a projection's bias, as torch adds it). */          \
+    void add_bias_##SUFFIX(T *y, const T *bias, int64_t rows, int64_t dim) {                          \
+        for (int64_t r = 0; r < rows; r++) {                                                          \
+            T *row = y + r * dim;                                                                     \
+            _Pragma("omp simd")                                                                       \
+            for (int64_t i = 0; i < dim; i++) row[i] = STORE(LOAD(row[i]) + LOAD(bias[i]));           \
+        }                                                                                             \
+    }                                                                                                 \
+                                                                                                      \
     /* gate_up [rows, 2 * dim] -> out [rows, dim] = round(round(silu(gate)) * up). */                 \
     void silu_mul_##SUFFIX(const T *gate_up, T *out, int64_t rows, int64_t dim) {                     \
         _Pragma("omp parallel for schedule(static)")                                                  \

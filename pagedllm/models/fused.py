@@ -19,6 +19,7 @@ _SIGNATURES = {
     "rms_norm": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32],
     "rms_norm_offset": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32],
     "silu_mul": [_PTR, _PTR, _I64, _I64],
+    "add_bias": [_PTR, _PTR, _I64, _I64],
     "rope": [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64],
     "rope_write_kv": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, *[_I64] * 8],
 }

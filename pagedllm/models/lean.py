@@ -6,7 +6,7 @@ same bit for bit; what it saves is the Python around them (module calls, a tenso
 argument conversion), which dominates a step of a small model at few rows.
 
 `LeanLayers.of(model, dtype)` says at load whether the model can run so (a dense MLP with SiLU, Llama's norms,
-no per-head q/k norms, full rotary, one quantized part per projection and no bias); `takes` says it per step
+no per-head q/k norms, full rotary, one quantized part per projection, biases or not); `takes` says it per step
 (the CPU attention backend on caches its kernel reads, no LoRA rows, no chunk for SDPA, few enough rows)."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 class _Matrix(ctypes.Structure):
-    _fields_ = [("kernel", _PTR), ("weight", _PTR), ("out_features", _I64)]
+    _fields_ = [("kernel", _PTR), ("weight", _PTR), ("bias", _PTR), ("out_features", _I64)]
 
 
 class _Layer(ctypes.Structure):
@@ -49,7 +49,7 @@ class _Model(ctypes.Structure):
     _fields_ = [
         *((name, _I64) for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate")),
         *((name, _F32) for name in ("eps", "scale", "softcap")),
-        *((name, _PTR) for name in ("norm", "act_mul", "rope_write_kv", "attend")),
+        *((name, _PTR) for name in ("norm", "act_mul", "add_bias", "rope_write_kv", "attend")),
     ]
 
 
@@ -76,12 +76,14 @@ def _address(function: ctypes._CFuncPtr) -> int:
 
 
 def _matrix(linear: torch.nn.Module, dtype: torch.dtype) -> _Matrix | None:
-    """A projection the C loop can multiply: one quantized part with a direct kernel, no bias."""
-    if not isinstance(linear, QuantizedLinear) or linear.bias is not None or len(linear.parts) != 1:
+    """A projection the C loop can multiply: one quantized part with a direct kernel, and its bias if any."""
+    if not isinstance(linear, QuantizedLinear) or len(linear.parts) != 1:
         return None
-    part = linear.parts[0]
+    part, bias = linear.parts[0], linear.bias
     kernel = quantized.direct_kernel(part, dtype)
-    return None if kernel is None else _Matrix(_address(kernel), part.data.data_ptr(), part.out_features)
+    if kernel is None or bias is not None and (bias.dtype != dtype or not bias.is_contiguous()):
+        return None
+    return _Matrix(_address(kernel), part.data.data_ptr(), None if bias is None else bias.data_ptr(), part.out_features)
 
 
 @dataclass(slots=True)
@@ -120,6 +122,7 @@ class LeanLayers:
             attention.softcap or 0.0,
             _address(getattr(fused_lib, f"rms_norm_{suffix}")),
             _address(getattr(fused_lib, f"silu_mul_{suffix}")),
+            _address(getattr(fused_lib, f"add_bias_{suffix}")),
             _address(getattr(fused_lib, f"rope_write_kv_{suffix}")),
             _address(getattr(libs[2], cpu.kernel_name(dtype, attention.head_dim))),
         )
