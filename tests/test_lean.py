@@ -25,11 +25,17 @@ TINY = {
     "llama-q4_1": dataclasses.replace(FAMILIES["llama"], quant={"": Q.Q4_1}),
     "mistral-q8_0": dataclasses.replace(FAMILIES["mistral"], quant={"": Q.Q8_0}),
     "qwen2-q8_0": dataclasses.replace(FAMILIES["qwen2"], f16=False, quant={"": Q.Q8_0}),  # biases on q/k/v
-    # Not lean: q/k/v of two types (two parts), Gemma's sandwich norms.
-    "llama-q4_0-v-q8_0": dataclasses.replace(FAMILIES["llama"], quant={"attn_v": Q.Q8_0, "": Q.Q4_0}),
+    # q/k/v in three parts and gate/up in two, of different types, as a Q4_K_M file mixes them (K-quants need rows
+    # of 256 values, wider than these models).
+    "llama-mixed": dataclasses.replace(
+        FAMILIES["llama"],
+        quant={"attn_k": Q.Q4_1, "attn_v": Q.Q8_0, "ffn_up": Q.Q8_0, "ffn_down": Q.Q4_1, "": Q.Q4_0},
+    ),
+    # Not lean: a type without a kernel (Q5_0), Gemma's sandwich norms.
+    "llama-q5_0": dataclasses.replace(FAMILIES["llama"], quant={"": Q.Q5_0}),
     "gemma2-q4_1": dataclasses.replace(FAMILIES["gemma2"], quant={"": Q.Q4_1}),
 }
-LEAN = {"llama-q4_1", "mistral-q8_0", "qwen2-q8_0"}
+LEAN = {"llama-q4_1", "mistral-q8_0", "qwen2-q8_0", "llama-mixed"}
 
 
 @pytest.fixture(scope="module")

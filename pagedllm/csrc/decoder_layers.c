@@ -12,6 +12,7 @@
  */
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 typedef void (*Product)(const void *x, int64_t m, int64_t k, const void *w, int64_t n, void *y);
 typedef void (*Norm)(const void *x, void *residual, const void *weight, void *out, int64_t rows, int64_t dim,
@@ -28,11 +29,16 @@ typedef void (*Attend)(const void *query, const void *k_cache, const void *v_cac
                        int64_t block_size, int64_t block_stride, int64_t position_stride, int64_t head_stride,
                        float scale, int64_t window, float softcap);
 
-/* One projection: its kernel, its blocks (or packed blocks), its output features and its bias (or NULL). */
+/* One projection: its parts stacked by output features (a fused q/k/v whose matrices a file quantized
+ * differently, as Q4_K_M files do, keeps a part per type), each with its kernel, its blocks (or packed blocks) and
+ * its output features; then its bias (or NULL). */
+#define MAX_PARTS 3
 typedef struct {
-    Product kernel;
-    const void *weight, *bias;
-    int64_t out_features;
+    int64_t num_parts;
+    Product kernel[MAX_PARTS];
+    const void *weight[MAX_PARTS];
+    int64_t out_features[MAX_PARTS];
+    const void *bias;
 } Matrix;
 
 /* One layer, fixed once the model is loaded. */
@@ -44,7 +50,7 @@ typedef struct {
 
 /* The model's shape and the kernels every layer shares. */
 typedef struct {
-    int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate;
+    int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, element_size;
     float eps, scale, softcap;
     Norm norm;
     ActMul act_mul;
@@ -65,29 +71,48 @@ typedef struct {
     void *const *k_caches;
     void *const *v_caches;
     void *residual, *hidden, *qkv, *q, *attention, *projected, *gate_up, *activated, *out;
+    void *part; /* [rows, the widest part of a projection with several] */
 } Step;
 
-/* y [rows, out_features] = x [rows, in_features] times the projection, plus its bias. */
-static void project(const Model *m, const Matrix *p, const void *x, int64_t rows, int64_t in_features, void *y) {
-    p->kernel(x, rows, in_features, p->weight, p->out_features, y);
-    if (p->bias) m->add_bias(y, p->bias, rows, p->out_features);
+static int64_t projection_width(const Matrix *p) {
+    int64_t width = 0;
+    for (int64_t i = 0; i < p->num_parts; i++) width += p->out_features[i];
+    return width;
+}
+
+/* y [rows, width] = x [rows, in_features] times the projection, plus its bias. A projection of several parts
+ * multiplies each into `part` and copies it into its columns of y (torch.cat in the Python layers). */
+static void project(const Model *m, const Matrix *p, const void *x, int64_t rows, int64_t in_features, void *y,
+                    void *part) {
+    const int64_t width = projection_width(p);
+    if (p->num_parts == 1) {
+        p->kernel[0](x, rows, in_features, p->weight[0], width, y);
+    } else {
+        for (int64_t i = 0, column = 0; i < p->num_parts; column += p->out_features[i], i++) {
+            const int64_t bytes = p->out_features[i] * m->element_size;
+            p->kernel[i](x, rows, in_features, p->weight[i], p->out_features[i], part);
+            for (int64_t r = 0; r < rows; r++)
+                memcpy((char *)y + (r * width + column) * m->element_size, (const char *)part + r * bytes, bytes);
+        }
+    }
+    if (p->bias) m->add_bias(y, p->bias, rows, width);
 }
 
 static void attention_block(const Model *m, const Layer *layer, const Step *s, void *k_cache, void *v_cache) {
     const int64_t q_size = m->heads * m->head_dim, qkv_size = q_size + 2 * m->kv_heads * m->head_dim;
-    project(m, &layer->qkv, s->hidden, s->rows, m->hidden, s->qkv);
+    project(m, &layer->qkv, s->hidden, s->rows, m->hidden, s->qkv, s->part);
     m->rope_write_kv(s->qkv, qkv_size, s->cos, s->sin, s->q, k_cache, v_cache, s->slots, s->rows, m->heads,
                      m->kv_heads, m->head_dim, s->block_size, s->block_stride, s->position_stride, s->head_stride);
     m->attend(s->q, k_cache, v_cache, s->block_tables, s->table_stride, s->seq_lens, s->query_start_loc,
               s->attention, s->num_seqs, m->heads, m->kv_heads, m->head_dim, s->block_size, s->block_stride,
               s->position_stride, s->head_stride, m->scale, layer->window, m->softcap);
-    project(m, &layer->o, s->attention, s->rows, q_size, s->projected);
+    project(m, &layer->o, s->attention, s->rows, q_size, s->projected, s->part);
 }
 
 static void feed_forward(const Model *m, const Layer *layer, const Step *s) {
-    project(m, &layer->gate_up, s->hidden, s->rows, m->hidden, s->gate_up);
+    project(m, &layer->gate_up, s->hidden, s->rows, m->hidden, s->gate_up, s->part);
     m->act_mul(s->gate_up, s->activated, s->rows, m->intermediate);
-    project(m, &layer->down, s->activated, s->rows, m->intermediate, s->out);
+    project(m, &layer->down, s->activated, s->rows, m->intermediate, s->out, s->part);
 }
 
 /* Every layer over the step; `residual` holds the embeddings on entry. */

@@ -6,8 +6,9 @@ same bit for bit; what it saves is the Python around them (module calls, a tenso
 argument conversion), which dominates a step of a small model at few rows.
 
 `LeanLayers.of(model, dtype)` says at load whether the model can run so (a dense MLP with SiLU, Llama's norms,
-no per-head q/k norms, full rotary, one quantized part per projection, biases or not); `takes` says it per step
-(the CPU attention backend on caches its kernel reads, no LoRA rows, no chunk for SDPA, few enough rows)."""
+no per-head q/k norms, full rotary, quantized projections whose parts all have a direct kernel, biases or not);
+`takes` says it per step (the CPU attention backend on caches its kernel reads, no LoRA rows, no chunk for SDPA,
+few enough rows)."""
 
 from __future__ import annotations
 
@@ -29,8 +30,17 @@ _PTR, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
+MAX_PARTS = 3  # decoder_layers.c's: q, k and v of three types
+
+
 class _Matrix(ctypes.Structure):
-    _fields_ = [("kernel", _PTR), ("weight", _PTR), ("bias", _PTR), ("out_features", _I64)]
+    _fields_ = [
+        ("num_parts", _I64),
+        ("kernel", _PTR * MAX_PARTS),
+        ("weight", _PTR * MAX_PARTS),
+        ("out_features", _I64 * MAX_PARTS),
+        ("bias", _PTR),
+    ]
 
 
 class _Layer(ctypes.Structure):
@@ -48,6 +58,7 @@ class _Layer(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [
         *((name, _I64) for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate")),
+        ("element_size", _I64),
         *((name, _F32) for name in ("eps", "scale", "softcap")),
         *((name, _PTR) for name in ("norm", "act_mul", "add_bias", "rope_write_kv", "attend")),
     ]
@@ -55,7 +66,7 @@ class _Model(ctypes.Structure):
 
 _STEP_SIZES = ("rows", "num_seqs", "table_stride", "block_size", "block_stride", "position_stride", "head_stride")
 _STEP_INPUTS = ("cos", "sin", "slots", "block_tables", "seq_lens", "query_start_loc", "k_caches", "v_caches")
-_BUFFERS = ("residual", "hidden", "qkv", "q", "attention", "projected", "gate_up", "activated", "out")
+_BUFFERS = ("residual", "hidden", "qkv", "q", "attention", "projected", "gate_up", "activated", "out", "part")
 
 
 class _Step(ctypes.Structure):
@@ -76,14 +87,27 @@ def _address(function: ctypes._CFuncPtr) -> int:
 
 
 def _matrix(linear: torch.nn.Module, dtype: torch.dtype) -> _Matrix | None:
-    """A projection the C loop can multiply: one quantized part with a direct kernel, and its bias if any."""
-    if not isinstance(linear, QuantizedLinear) or len(linear.parts) != 1:
+    """A projection the C loop can multiply: quantized parts that each have a direct kernel, and its bias if any."""
+    if not isinstance(linear, QuantizedLinear) or len(linear.parts) > MAX_PARTS:
         return None
-    part, bias = linear.parts[0], linear.bias
-    kernel = quantized.direct_kernel(part, dtype)
-    if kernel is None or bias is not None and (bias.dtype != dtype or not bias.is_contiguous()):
+    kernels = [quantized.direct_kernel(part, dtype) for part in linear.parts]
+    bias = linear.bias
+    if None in kernels or bias is not None and (bias.dtype != dtype or not bias.is_contiguous()):
         return None
-    return _Matrix(_address(kernel), part.data.data_ptr(), None if bias is None else bias.data_ptr(), part.out_features)
+    count = len(kernels)
+    return _Matrix(
+        count,
+        (_PTR * MAX_PARTS)(*(_address(kernel) for kernel in kernels)),
+        (_PTR * MAX_PARTS)(*(part.data.data_ptr() for part in linear.parts)),
+        (_I64 * MAX_PARTS)(*(part.out_features for part in linear.parts)),
+        None if bias is None else bias.data_ptr(),
+    )
+
+
+def _part_width(layers: ctypes.Array) -> int:
+    """The widest part of any projection of several parts (0 where none has several)."""
+    matrices = [matrix for layer in layers for matrix in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    return max((max(m.out_features[: m.num_parts]) for m in matrices if m.num_parts > 1), default=0)
 
 
 @dataclass(slots=True)
@@ -95,6 +119,7 @@ class LeanLayers:
     dtype: torch.dtype
     model: _Model
     layers: ctypes.Array
+    part_width: int  # see `_part_width`
     run_layers: ctypes._CFuncPtr
 
     @classmethod
@@ -117,6 +142,7 @@ class LeanLayers:
             attention.num_kv_heads,
             attention.head_dim,
             mlp.down_proj.in_features,
+            torch.empty((), dtype=dtype).element_size(),
             first.input_layernorm.eps,
             attention.scale,
             attention.softcap or 0.0,
@@ -126,7 +152,8 @@ class LeanLayers:
             _address(getattr(fused_lib, f"rope_write_kv_{suffix}")),
             _address(getattr(libs[2], cpu.kernel_name(dtype, attention.head_dim))),
         )
-        return cls(dtype, shape, (_Layer * len(layers))(*layers), libs[0].decoder_layers)
+        table = (_Layer * len(layers))(*layers)
+        return cls(dtype, shape, table, _part_width(table), libs[0].decoder_layers)
 
     def takes(self, residual: torch.Tensor, rope: Rope, ctx: StepContext) -> bool:
         """Whether this step runs here: the Python layers would run exactly these kernels."""
@@ -164,6 +191,7 @@ class LeanLayers:
             "gate_up": 2 * m.intermediate,
             "activated": m.intermediate,
             "out": m.hidden,
+            "part": self.part_width,
         }
         buffers = {name: torch.empty(rows, width, dtype=self.dtype) for name, width in widths.items()}
         k_caches = (_PTR * m.num_layers)(*(k.data_ptr() for k, _ in ctx.kv_caches))
