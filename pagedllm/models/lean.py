@@ -92,11 +92,12 @@ def _matrix(linear: torch.nn.Module, dtype: torch.dtype) -> _Matrix | None:
         return None
     kernels = [quantized.direct_kernel(part, dtype) for part in linear.parts]
     bias = linear.bias
-    if None in kernels or bias is not None and (bias.dtype != dtype or not bias.is_contiguous()):
+    if any(kernel is None for kernel in kernels):
         return None
-    count = len(kernels)
+    if bias is not None and (bias.dtype != dtype or not bias.is_contiguous()):
+        return None
     return _Matrix(
-        count,
+        len(kernels),
         (_PTR * MAX_PARTS)(*(_address(kernel) for kernel in kernels)),
         (_PTR * MAX_PARTS)(*(part.data.data_ptr() for part in linear.parts)),
         (_I64 * MAX_PARTS)(*(part.out_features for part in linear.parts)),
