@@ -1,6 +1,6 @@
 """The decoder layers in one C call (`models/lean.py`) against the Python layers they stand in for: the same
 kernels with the same arguments in the same order, so every step's logits are the same bit for bit (and greedy
-float32 on the blocks still equals transformers: tests/test_quantized.py, tests/test_engine.py run it); the
+float32 on the blocks still equals transformers: tests/test_quantized.py, tests/test_default_model.py run it); the
 steps it cannot run fall back to the layers."""
 
 from __future__ import annotations
