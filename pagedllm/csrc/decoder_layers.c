@@ -5,10 +5,10 @@
  * product. Every step is a kernel the Python layers call one by one (quant_ops.c's products, fused_ops.c,
  * paged_attention.c), reached here through function pointers the caller resolved from those libraries, with
  * the same arguments in the same order: the result is bit for bit the Python path's. What goes is the
- * per-call cost around them (module calls, argument conversion, a tensor allocated per op), about 200 us a
- * layer on the AVX2 kind (docs/PERFORMANCE.md, "Decoder layers in one call").
+ * per-call cost around them (module calls, argument conversion, a tensor allocated per op; docs/PERFORMANCE.md,
+ * "Decoder layers in one call").
  *
- * Built at first use by pagedllm.native and called through ctypes from pagedllm.models.straight.
+ * Built at first use by pagedllm.native and called through ctypes from pagedllm.models.lean.
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -99,9 +99,9 @@ static void project(const Model *m, const Matrix *p, const void *x, int64_t rows
 }
 
 static void attention_block(const Model *m, const Layer *layer, const Step *s, void *k_cache, void *v_cache) {
-    const int64_t q_size = m->heads * m->head_dim, qkv_size = q_size + 2 * m->kv_heads * m->head_dim;
+    const int64_t q_size = m->heads * m->head_dim;
     project(m, &layer->qkv, s->hidden, s->rows, m->hidden, s->qkv, s->part);
-    m->rope_write_kv(s->qkv, qkv_size, s->cos, s->sin, s->q, k_cache, v_cache, s->slots, s->rows, m->heads,
+    m->rope_write_kv(s->qkv, projection_width(&layer->qkv), s->cos, s->sin, s->q, k_cache, v_cache, s->slots, s->rows, m->heads,
                      m->kv_heads, m->head_dim, s->block_size, s->block_stride, s->position_stride, s->head_stride);
     m->attend(s->q, k_cache, v_cache, s->block_tables, s->table_stride, s->seq_lens, s->query_start_loc,
               s->attention, s->num_seqs, m->heads, m->kv_heads, m->head_dim, s->block_size, s->block_stride,

@@ -171,7 +171,6 @@ class LeanLayers:
             and cpu.takes_shape(self.dtype, self.model.heads, self.model.head_dim, k_cache, v_cache)
             and all(k.stride() == k_cache.stride() and v.stride() == k_cache.stride() for k, v in ctx.kv_caches)
             and ctx.slot_mapping.dtype == torch.int64
-            and rope[0].shape[-1] == self.model.head_dim
             and not any(cpu.runs_on_sdpa(c.rows.stop - c.rows.start, c.seq_len, self.dtype) for c in prefills)
         )
 
