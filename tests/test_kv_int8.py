@@ -19,7 +19,7 @@ from pagedllm.worker.group import pool_size
 
 # (block_size, (num_heads, num_kv_heads, head_dim)): blocks of 1, not a power of two, and 16; grouped-query
 # ratios 1, 3 and 4.
-SHAPES = [(1, (2, 2, 16)), (5, (9, 3, 64)), (16, (8, 2, 128)), (16, (2, 2, 16))]
+SHAPES = [(1, (2, 2, 16)), (5, (9, 3, 64)), (16, (9, 3, 64)), (16, (8, 2, 128)), (16, (2, 2, 16))]
 # The C kernel walks 16 positions a chunk, the Triton decode splits into partitions of this many here.
 SMALL_PARTITION = 32
 # Attention of the same int8 values in float32 arithmetic, by kernels that sum in different orders (absolute:
@@ -137,9 +137,10 @@ def test_int8_attention_is_float_attention_within_the_quantization_step(backend,
 
 
 @pytest.mark.parametrize("backend", cpu_backends())
-def test_int8_attention_with_window_and_softcap(backend):
+@pytest.mark.parametrize("softcap", [0.0, 20.0])
+def test_int8_attention_with_window_and_softcap(backend, softcap):
     lens = [70, 3, 45]
-    run_case(backend, torch.float32, 16, (8, 2, 64), lens, [1, 3, 45], seed=3, window=24, softcap=20.0)
+    run_case(backend, torch.float32, 16, (8, 2, 64), lens, [1, 3, 45], seed=3, window=24, softcap=softcap)
 
 
 def test_int8_attention_in_triton():

@@ -182,7 +182,8 @@ static inline void prefetch_first_row(const Batch *b, const int64_t rows[CHUNK],
     if (rows[0] < 0) return;
     const char *k = (const char *)b->k_cache + (rows[0] + kv_offset) * element_size;
     const char *v = (const char *)b->v_cache + (rows[0] + kv_offset) * element_size;
-    for (int64_t offset = 0; offset < b->head_dim * element_size; offset += 64) {
+    const int64_t bytes = element_size == 1 ? b->block_size * b->position_stride : b->head_dim * element_size;
+    for (int64_t offset = 0; offset < bytes; offset += 64) {
         __builtin_prefetch(k + offset, 0, 1);
         __builtin_prefetch(v + offset, 0, 1);
     }
@@ -383,6 +384,112 @@ static inline __attribute__((always_inline)) void row_chunk(const float *restric
     portable_row_chunk(q, keys, values, stride, n, head_dim, scale_log2e, capped, cap_in, cap_out, m, l, o);
 }
 
+/* An int8 cache's rows read where they lie, for up to INT8_TILE query rows of one KV head that see the same
+ * positions (the query heads of one token), on AVX2 without soft-capping, head dims a multiple of 64. Each key
+ * and value row is widened once in registers for all of them, where the general path copies a chunk's rows
+ * into float rows first and reads them back once per query row: a decode step's int8 attention is bound by
+ * that arithmetic, not by its reads (a quarter of float32's bytes). A row's scale multiplies its dot (keys)
+ * or its weight (values) instead of its values: the same products up to rounding. */
+#define INT8_TILE 3
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __m256 int8x8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+static inline float int8_row_scale(const int8_t *row, int64_t head_dim) {
+    float scale;
+    memcpy(&scale, row + head_dim, sizeof scale);
+    return scale;
+}
+
+static inline __m128 hsum4(const __m256 a[4]) {
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+static inline __attribute__((always_inline)) void int8_tile_chunk(const float *restrict q, const int nr,
+                                                                  const int8_t *keys, const int8_t *values,
+                                                                  int64_t stride, int64_t n, int64_t head_dim,
+                                                                  float scale_log2e, float *restrict m,
+                                                                  float *restrict l, float *restrict o) {
+    float s[INT8_TILE][CHUNK], w[INT8_TILE][CHUNK], key_scale[CHUNK], value_scale[CHUNK];
+    for (int64_t p = 0; p < n; p++) {
+        key_scale[p] = int8_row_scale(keys + p * stride, head_dim) * scale_log2e;
+        value_scale[p] = int8_row_scale(values + p * stride, head_dim);
+    }
+    int64_t p = 0;
+    for (; p + 4 <= n; p += 4) {
+        __m256 a[INT8_TILE][4];
+        for (int r = 0; r < nr; r++)
+            for (int j = 0; j < 4; j++) a[r][j] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < head_dim; d += 8) {
+            __m256 k[4];
+            for (int j = 0; j < 4; j++) k[j] = int8x8(keys + (p + j) * stride + d);
+            for (int r = 0; r < nr; r++) {
+                const __m256 qv = _mm256_loadu_ps(q + r * head_dim + d);
+                for (int j = 0; j < 4; j++) a[r][j] = _mm256_fmadd_ps(qv, k[j], a[r][j]);
+            }
+        }
+        const __m128 scales = _mm_loadu_ps(key_scale + p);
+        for (int r = 0; r < nr; r++) _mm_storeu_ps(s[r] + p, _mm_mul_ps(hsum4(a[r]), scales));
+    }
+    for (; p < n; p++) {
+        __m256 a[INT8_TILE];
+        for (int r = 0; r < nr; r++) a[r] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < head_dim; d += 8) {
+            const __m256 k = int8x8(keys + p * stride + d);
+            for (int r = 0; r < nr; r++) a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * head_dim + d), k, a[r]);
+        }
+        for (int r = 0; r < nr; r++) {
+            __m128 h = _mm_add_ps(_mm256_castps256_ps128(a[r]), _mm256_extractf128_ps(a[r], 1));
+            h = _mm_hadd_ps(h, h);
+            s[r][p] = _mm_cvtss_f32(_mm_hadd_ps(h, h)) * key_scale[p];
+        }
+    }
+    for (int r = 0; r < nr; r++) {
+        float top = -INFINITY;
+        for (p = 0; p < n; p++) top = s[r][p] > top ? s[r][p] : top;
+        row_softmax_update(s[r], top, n, head_dim, &m[r], &l[r], o + r * head_dim, w[r]);
+        for (p = 0; p < n; p++) w[r][p] *= value_scale[p];
+    }
+    for (int64_t d0 = 0; d0 < head_dim; d0 += 32) {
+        __m256 acc[INT8_TILE][4];
+        for (int r = 0; r < nr; r++)
+            for (int j = 0; j < 4; j++) acc[r][j] = _mm256_loadu_ps(o + r * head_dim + d0 + 8 * j);
+        for (p = 0; p < n; p++) {
+            __m256 v[4];
+            for (int j = 0; j < 4; j++) v[j] = int8x8(values + p * stride + d0 + 8 * j);
+            for (int r = 0; r < nr; r++) {
+                const __m256 wv = _mm256_set1_ps(w[r][p]);
+                for (int j = 0; j < 4; j++) acc[r][j] = _mm256_fmadd_ps(wv, v[j], acc[r][j]);
+            }
+        }
+        for (int r = 0; r < nr; r++)
+            for (int j = 0; j < 4; j++) _mm256_storeu_ps(o + r * head_dim + d0 + 8 * j, acc[r][j]);
+    }
+}
+
+/* `nr` (1..INT8_TILE) rows, each count compiled on its own so that the row loops unroll. */
+static void int8_rows_chunk(const float *restrict q, int nr, const int8_t *keys, const int8_t *values, int64_t stride,
+                            int64_t n, int64_t head_dim, float scale_log2e, float *restrict m, float *restrict l,
+                            float *restrict o) {
+    switch (nr) {
+    case 3: int8_tile_chunk(q, 3, keys, values, stride, n, head_dim, scale_log2e, m, l, o); break;
+    case 2: int8_tile_chunk(q, 2, keys, values, stride, n, head_dim, scale_log2e, m, l, o); break;
+    default: int8_tile_chunk(q, 1, keys, values, stride, n, head_dim, scale_log2e, m, l, o);
+    }
+}
+#define INT8_DIRECT 1
+#else
+#define INT8_DIRECT 0
+static void int8_rows_chunk(const float *restrict q, int nr, const int8_t *keys, const int8_t *values, int64_t stride,
+                            int64_t n, int64_t head_dim, float scale_log2e, float *restrict m, float *restrict l,
+                            float *restrict o) {
+    (void)q, (void)nr, (void)keys, (void)values, (void)stride, (void)n, (void)head_dim, (void)scale_log2e;
+    (void)m, (void)l, (void)o;
+}
+#endif
+
 /* One item for a cache element type T. The query rows are widened to float once per item. A chunk of
  * float32 K/V inside one block is read in place; anything else (bf16, or a chunk across blocks) is
  * first copied into float rows. A constant head_dim (64, 128) lets the compiler unroll; `mode` is a
@@ -393,6 +500,9 @@ static inline __attribute__((always_inline)) void row_chunk(const float *restric
         const C *k_cache = (const C *)b->k_cache, *v_cache = (const C *)b->v_cache;                           \
         const int64_t rows = item_rows(b, it), per_kv = rows_per_kv_head(b, it);                              \
         const int in_place = sizeof(C) == sizeof(float) && b->block_size % CHUNK == 0;                        \
+        const int int8_direct = INT8_DIRECT && sizeof(C) == 1 && mode != CAPPED && head_dim % 64 == 0 &&      \
+                                b->block_size % CHUNK == 0;                                                   \
+        const int64_t group = b->num_heads / b->num_kv_heads;                                                 \
         float q[MAX_ITEM_ROWS * MAX_HEAD_DIM], o[MAX_ITEM_ROWS * MAX_HEAD_DIM], m[MAX_ITEM_ROWS];             \
         float l[MAX_ITEM_ROWS], key_rows[CHUNK * MAX_HEAD_DIM], value_rows[CHUNK * MAX_HEAD_DIM];             \
         int64_t position[MAX_ITEM_ROWS], offsets[CHUNK], next[CHUNK], after_next[CHUNK];                      \
@@ -423,6 +533,27 @@ static inline __attribute__((always_inline)) void row_chunk(const float *restric
                 const int64_t kv_offset = (it->kv_begin + kv) * b->head_stride;                               \
                 prefetch_first_row(b, next, kv_offset, sizeof(C));                                            \
                 prefetch_first_row(b, after_next, kv_offset, sizeof(C));                                      \
+                if (int8_direct) {                                                                            \
+                    const int8_t *k8 = (const int8_t *)(k_cache + offsets[0] + kv_offset);                    \
+                    const int8_t *v8 = (const int8_t *)(v_cache + offsets[0] + kv_offset);                    \
+                    for (int64_t r = kv * per_kv, nr; r < (kv + 1) * per_kv; r += nr) {                       \
+                        const int64_t left = group - (r - kv * per_kv) % group; /* this token's rows */       \
+                        nr = left < INT8_TILE ? left : INT8_TILE;                                             \
+                        const int64_t visible = position[r] - chunk_start + 1;                                \
+                        if (visible <= 0) continue;                                                           \
+                        int64_t skip = 0;                                                                     \
+                        if (mode != PLAIN) {                                                                  \
+                            skip = first[r] - chunk_start;                                                    \
+                            if (skip >= CHUNK) continue;                                                      \
+                            skip = skip > 0 ? skip : 0;                                                       \
+                        }                                                                                     \
+                        int8_rows_chunk(q + r * head_dim, (int)nr, k8 + skip * b->position_stride,            \
+                                        v8 + skip * b->position_stride, b->position_stride,                   \
+                                        (visible < CHUNK ? visible : CHUNK) - skip, head_dim, b->scale_log2e,  \
+                                        &m[r], &l[r], o + r * head_dim);                                      \
+                    }                                                                                         \
+                    continue;                                                                                 \
+                }                                                                                             \
                 const float *keys = key_rows, *values = value_rows;                                           \
                 int64_t stride = head_dim;                                                                    \
                 if (in_place) {                                                                               \
