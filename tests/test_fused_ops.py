@@ -132,6 +132,48 @@ def test_rope_write_kv_equals_rope_then_write_kv(dtype, heads, kv_heads, head_di
     assert bool((k_fused.reshape(-1, kv_heads, head_dim)[untouched] == 7.0).all())
 
 
+@pytest.mark.parametrize("head_major", [True, False], ids=["head-major", "token-major"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 2, 128)])
+def test_rope_write_kv_into_int8_equals_rope_then_quantize(dtype, heads, kv_heads, head_dim, head_major):
+    """Into an int8 cache the fused pass writes, bit for bit, the rows the separate passes write (the C rotary
+    kernel, then `kv_quant.quantize`): ties rounded to even, an all-zero row, a row below the smallest normal
+    scale, padding slots skipped."""
+    from pagedllm.attention import kv_quant, write_kv
+
+    torch.manual_seed(5)
+    tokens, blocks, block_size = 13, 5, 4
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = (torch.randn(tokens, width) * torch.logspace(-2, 2, tokens)[:, None]).to(dtype)
+    v = qkv[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+    v[0, 0] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, 3.5, -126.5] * (head_dim // 8))  # scale 1: ties
+    v[1, 0] = 0.0
+    v[2, 0] = 1e-39 if dtype == torch.float32 else 0.0  # a subnormal absmax: the scale's divisor is clamped
+    angles = torch.rand(tokens, head_dim // 2) * 10
+    cos = torch.cat((angles.cos(), angles.cos()), dim=-1).to(dtype)
+    sin = torch.cat((angles.sin(), angles.sin()), dim=-1).to(dtype)
+    slots = torch.randperm(blocks * block_size)[:tokens]
+    slots[5] = -1
+    shape = (blocks, block_size, kv_heads, head_dim + kv_quant.SCALE_BYTES)
+    k_fused, v_fused = torch.full(shape, 7, dtype=torch.int8), torch.full(shape, 7, dtype=torch.int8)
+    if head_major:
+        k_fused, v_fused = stored_layout(k_fused), stored_layout(v_fused)
+    k_apart, v_apart = k_fused.clone(), v_fused.clone()
+
+    q = fused.rope_write_kv(qkv, heads, kv_heads, head_dim, cos, sin, k_fused, v_fused, slots)
+    k_rot = fused.rope(qkv, heads * head_dim, kv_heads, head_dim, cos, sin)
+    write_kv(k_rot, v, k_apart, v_apart, slots)
+
+    assert q is not None
+    assert torch.equal(q, fused.rope(qkv, 0, heads, head_dim, cos, sin))
+    assert torch.equal(k_fused, k_apart) and torch.equal(v_fused, v_apart)
+    row = v_fused.reshape(-1, kv_heads, head_dim + 4)[slots[0], 0]
+    assert row[:8].tolist() == [127, 0, 2, 2, 0, -2, 4, -126]  # half to even, as torch.round
+    untouched = torch.ones(blocks * block_size, dtype=torch.bool)
+    untouched[slots[slots >= 0]] = False
+    assert bool((k_fused.reshape(-1, kv_heads, head_dim + 4)[untouched] == 7).all())
+
+
 def test_rope_write_kv_leaves_partial_rotary_to_the_separate_passes():
     qkv = torch.randn(3, 4 * 64, dtype=torch.bfloat16)
     cos = sin = torch.ones(3, 32, dtype=torch.bfloat16)  # rotary_dim 32 < head_dim 64 (Phi3)

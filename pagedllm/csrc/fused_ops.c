@@ -13,6 +13,7 @@
  * cores, and these loops are arithmetic-bound (SiLU's exp and divide, bf16 rounding), where 512 bits ran
  * 1.2-1.4x faster on the AMX kind (docs/PERFORMANCE.md). Elsewhere it changes nothing. */
 #pragma GCC target("prefer-vector-width=512")
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -32,6 +33,27 @@ static inline float silu(float x) {
     const float sigmoid = x >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
     return x * sigmoid;
 }
+
+/* An int8 KV cache's row (pagedllm.attention.kv_quant) from `n` floats: q = round(x / s) in -127..127, s =
+ * the row's absmax / 127 (its smallest normal where that is 0), then s as float32 in the row's last 4
+ * bytes. kv_quant.quantize's arithmetic, so the rows are the Python path's bit for bit; for that its
+ * divisions must stay divisions (the build's -freciprocal-math would multiply by a rounded reciprocal). */
+#define QMAX 127.f
+#define MAX_INT8_ROW 256 /* the widest head the attention kernels take */
+#pragma GCC push_options
+#pragma GCC optimize("no-reciprocal-math")
+static void quantize_row(const float *x, int8_t *row, int64_t n) {
+    float absmax = 0.f;
+    for (int64_t i = 0; i < n; i++) absmax = fmaxf(absmax, fabsf(x[i]));
+    const float scale = absmax / QMAX, divisor = scale < FLT_MIN ? FLT_MIN : scale;
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) {
+        const float q = nearbyintf(x[i] / divisor);
+        row[i] = (int8_t)(q > QMAX ? QMAX : q < -QMAX ? -QMAX : q);
+    }
+    memcpy(row + n, &scale, sizeof scale);
+}
+#pragma GCC pop_options
 
 #define DEFINE_FUSED(SUFFIX, T, LOAD, STORE)                                                             \
     /* out = weight * round(x * rsqrt(mean(x^2) + eps)); with `residual`, x = round(x + residual) is  \
@@ -144,6 +166,36 @@ static inline float silu(float x) {
             for (int64_t h = 0; h < kv_heads; h++) {                                                  \
                 rope_head_##SUFFIX(k + h * head_dim, c, s, k_cache + slot + h * head_stride, half);   \
                 memcpy(v_cache + slot + h * head_stride, v + h * head_dim, sizeof(T) * head_dim);    \
+            }                                                                                         \
+        }                                                                                             \
+    }                                                                                                 \
+                                                                                                      \
+    /* rope_write_kv into an int8 cache (strides in bytes, rows of head_dim values and their scale):   \
+     * each key head rotated and rounded to T, then quantized as kv_quant.quantize quantizes it; each \
+     * value head quantized as it is. */                                                              \
+    void rope_write_kv_int8_##SUFFIX(const T *qkv, int64_t qkv_stride, const T *cos, const T *sin,    \
+                                     T *q_out, int8_t *k_cache, int8_t *v_cache, const int64_t *slots, \
+                                     int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,  \
+                                     int64_t block_size, int64_t block_stride, int64_t position_stride, \
+                                     int64_t head_stride) {                                           \
+        const int64_t half = head_dim / 2;                                                            \
+        _Pragma("omp parallel for schedule(static)")                                                  \
+        for (int64_t r = 0; r < rows; r++) {                                                          \
+            const T *row = qkv + r * qkv_stride, *c = cos + r * head_dim, *s = sin + r * head_dim;    \
+            T rotated[MAX_INT8_ROW];                                                                  \
+            float wide[MAX_INT8_ROW];                                                                 \
+            for (int64_t h = 0; h < heads; h++)                                                       \
+                rope_head_##SUFFIX(row + h * head_dim, c, s, q_out + (r * heads + h) * head_dim, half); \
+            if (slots[r] < 0)                                                                         \
+                continue;                                                                             \
+            const T *k = row + heads * head_dim, *v = k + kv_heads * head_dim;                        \
+            const int64_t slot = slots[r] / block_size * block_stride + slots[r] % block_size * position_stride; \
+            for (int64_t h = 0; h < kv_heads; h++) {                                                  \
+                rope_head_##SUFFIX(k + h * head_dim, c, s, rotated, half);                            \
+                for (int64_t i = 0; i < head_dim; i++) wide[i] = LOAD(rotated[i]);                    \
+                quantize_row(wide, k_cache + slot + h * head_stride, head_dim);                       \
+                for (int64_t i = 0; i < head_dim; i++) wide[i] = LOAD(v[h * head_dim + i]);           \
+                quantize_row(wide, v_cache + slot + h * head_stride, head_dim);                       \
             }                                                                                         \
         }                                                                                             \
     }

@@ -11,6 +11,7 @@ from functools import cache
 import torch
 
 from pagedllm import native
+from pagedllm.attention import kv_quant
 from pagedllm.attention.cpu import takes_caches
 
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
@@ -22,7 +23,9 @@ _SIGNATURES = {
     "add_bias": [_PTR, _PTR, _I64, _I64],
     "rope": [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64],
     "rope_write_kv": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, *[_I64] * 8],
+    "rope_write_kv_int8": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, *[_I64] * 8],
 }
+MAX_INT8_ROW = 256  # fused_ops.c's: the widest head it quantizes into an int8 cache
 
 
 @cache
@@ -147,17 +150,23 @@ def rope_write_kv(
     `[tokens, (heads + 2 kv_heads) head_dim]`: returns the rotated queries `[tokens, heads, head_dim]`, and
     writes the rotated keys and the values into the caches `[blocks, block_size, kv_heads, head_dim]` (any
     block, position and head strides, the same for both; contiguous rows) at each token's slot (negative:
-    padding, not written). None where the C kernel cannot run (another device or dtype, a partial rotary, a
-    cache not laid out so): the caller then ropes and writes separately."""
+    padding, not written); into an int8 cache as `kv_quant.quantize` would. None where the C kernel cannot
+    run (another device or dtype, a partial rotary, a cache not laid out so): the caller then ropes and
+    writes separately."""
+    int8 = kv_quant.is_int8(k_cache)
     if (
         qkv.stride(-1) != 1
         or cos.shape[-1] != head_dim
         or not takes_caches(k_cache, v_cache)
         or slot_mapping.dtype != torch.int64
         or slot_mapping.device.type != "cpu"
+        or (int8 and (v_cache.dtype != torch.int8 or head_dim > MAX_INT8_ROW))
     ):
         return None
-    kernel = _kernel("rope_write_kv", qkv, cos, sin, k_cache, v_cache)
+    if int8:
+        kernel = _kernel("rope_write_kv_int8", qkv, cos, sin)
+    else:
+        kernel = _kernel("rope_write_kv", qkv, cos, sin, k_cache, v_cache)
     if kernel is None:
         return None
     cos, sin, slots = cos.contiguous(), sin.contiguous(), slot_mapping.contiguous()
