@@ -111,11 +111,17 @@ BF16_IN_ONE_CALL = pytest.mark.skipif(
 
 
 @pytest.mark.parametrize(
-    ("name", "dtype"),
-    [*((name, "float32") for name in sorted(LEAN)), pytest.param("llama-q4_1", "bfloat16", marks=BF16_IN_ONE_CALL)],
+    ("name", "dtype", "kv"),
+    [
+        *((name, "float32", "auto") for name in sorted(LEAN)),
+        ("llama-q4_1", "float32", "int8"),
+        ("qwen2-q8_0", "float32", "int8"),
+        pytest.param("llama-q4_1", "bfloat16", "auto", marks=BF16_IN_ONE_CALL),
+        pytest.param("llama-q4_1", "bfloat16", "int8", marks=BF16_IN_ONE_CALL),
+    ],
 )
-def test_steps_in_one_call_equal_the_python_layers(name: str, dtype: str, tiny_files, lean_steps) -> None:
-    llm = engine(tiny_files[name], dtype=dtype)
+def test_steps_in_one_call_equal_the_python_layers(name: str, dtype: str, kv: str, tiny_files, lean_steps) -> None:
+    llm = engine(tiny_files[name], dtype=dtype, kv_cache_dtype=kv)
     assert llm.engine.loaded.model.lean is not None
     lean = picks(run(llm))
     assert len(lean_steps) > 24 and max(lean_steps) > 4  # decodes, and prompt chunks beside them
@@ -156,9 +162,8 @@ def test_bf16_runs_in_one_call_where_packed_weights_have_their_kernel(tiny_files
     assert (llm.engine.loaded.model.lean is not None) == has_integer_kernel(torch.bfloat16)
 
 
-@pytest.mark.parametrize("options", [{"kv_cache_dtype": "int8"}, {"dequantize": True}], ids=["int8-kv", "dequantized"])
-def test_steps_it_cannot_run_go_through_the_layers(options: dict, tiny_files, lean_steps) -> None:
-    outputs = run(engine(tiny_files["llama-q4_1"], **options))
+def test_steps_it_cannot_run_go_through_the_layers(tiny_files, lean_steps) -> None:
+    outputs = run(engine(tiny_files["llama-q4_1"], dequantize=True))
     assert all(len(sample.token_ids) == 24 for output in outputs for sample in output.outputs)
     assert not lean_steps
 

@@ -113,12 +113,12 @@ def _part_width(layers: ctypes.Array) -> int:
 
 @dataclass(slots=True)
 class LeanLayers:
-    """The C loop's view of one model in one dtype: the shape and shared kernels (`model`) and each layer's
-    weights (`layers`), as addresses into the model's tensors: the model holds it (`CausalLM.lean`), never the
+    """The C loop's view of one model in one dtype: the shape and shared kernels (`models`, one for each KV cache
+    dtype) and each layer's weights (`layers`), as addresses into the model's tensors: the model holds it (`CausalLM.lean`), never the
     other way round, so it lives no longer than they do."""
 
     dtype: torch.dtype
-    model: _Model
+    models: dict[torch.dtype, _Model]  # by the KV cache's dtype: the dtype's own or int8
     layers: ctypes.Array
     part_width: int  # see `_part_width`
     run_layers: ctypes._CFuncPtr
@@ -130,45 +130,27 @@ class LeanLayers:
         if dtype not in _SUFFIX or any(lib is None for lib in libs) or config.partial_rotary_factor != 1:
             return None
         layers = [_layer(layer, dtype) for layer in model.layers]
-        first = model.layers[0]
         eps = {n.eps for layer in model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)}
         if any(layer is None for layer in layers) or len(eps) != 1:
             return None
-        attention, mlp = first.self_attn, first.mlp
-        fused_lib, suffix = libs[1], _SUFFIX[dtype]
-        shape = _Model(
-            len(layers),
-            config.hidden_size,
-            attention.num_heads,
-            attention.num_kv_heads,
-            attention.head_dim,
-            mlp.down_proj.in_features,
-            torch.empty((), dtype=dtype).element_size(),
-            first.input_layernorm.eps,
-            attention.scale,
-            attention.softcap or 0.0,
-            _address(getattr(fused_lib, f"rms_norm_{suffix}")),
-            _address(getattr(fused_lib, f"silu_mul_{suffix}")),
-            _address(getattr(fused_lib, f"add_bias_{suffix}")),
-            _address(getattr(fused_lib, f"rope_write_kv_{suffix}")),
-            _address(getattr(libs[2], cpu.kernel_name(dtype, attention.head_dim))),
-        )
         table = (_Layer * len(layers))(*layers)
-        return cls(dtype, shape, table, _part_width(table), libs[0].decoder_layers)
+        models = {cache: _model(model, len(layers), dtype, cache) for cache in (dtype, torch.int8)}
+        return cls(dtype, models, table, _part_width(table), libs[0].decoder_layers)
 
     def takes(self, residual: torch.Tensor, rope: Rope, ctx: StepContext) -> bool:
         """Whether this step runs here: the Python layers would run exactly these kernels."""
         k_cache, v_cache = ctx.kv_caches[0]
         prefills = ctx.metadata.prefills
+        model = self.models.get(k_cache.dtype)
         return (
-            residual.dtype == self.dtype
+            model is not None
+            and residual.dtype == self.dtype
             and residual.device.type == "cpu"
             and residual.is_contiguous()
             and residual.shape[0] <= quantized.direct_rows(self.dtype)
             and ctx.lora is None
             and ctx.attention is CPU_BACKEND
-            and k_cache.dtype == self.dtype
-            and cpu.takes_shape(self.dtype, self.model.heads, self.model.head_dim, k_cache, v_cache)
+            and cpu.takes_shape(self.dtype, model.heads, model.head_dim, k_cache, v_cache)
             and all(k.stride() == k_cache.stride() and v.stride() == k_cache.stride() for k, v in ctx.kv_caches)
             and ctx.slot_mapping.dtype == torch.int64
             and not any(cpu.runs_on_sdpa(c.rows.stop - c.rows.start, c.seq_len, self.dtype) for c in prefills)
@@ -177,8 +159,8 @@ class LeanLayers:
     def run(self, residual: torch.Tensor, rope: Rope, ctx: StepContext) -> torch.Tensor:
         """Every layer over the step (`residual`, the embeddings, is updated in place as the Python layers update
         it); returns the last layer's MLP output, still to be added to `residual`."""
-        m, rows, metadata = self.model, residual.shape[0], ctx.metadata
-        k_cache = ctx.kv_caches[0][0]
+        k_cache, rows, metadata = ctx.kv_caches[0][0], residual.shape[0], ctx.metadata
+        m = self.models[k_cache.dtype]
         cos, sin = (t.contiguous() for t in rope)
         slots = ctx.slot_mapping.contiguous()
         q_size = m.heads * m.head_dim
@@ -215,6 +197,31 @@ class LeanLayers:
         )
         self.run_layers(ctypes.byref(m), self.layers, ctypes.byref(step))
         return buffers["out"]
+
+
+def _model(model: CausalLM, num_layers: int, dtype: torch.dtype, cache_dtype: torch.dtype) -> _Model:
+    """The shape and the shared kernels of `model`'s layers in `dtype` on a KV cache of `cache_dtype`."""
+    first = model.layers[0]
+    attention, mlp = first.self_attn, first.mlp
+    fused_lib, suffix = fused.library(), _SUFFIX[dtype]
+    int8 = "_int8" if cache_dtype == torch.int8 else ""
+    return _Model(
+        num_layers,
+        model.config.hidden_size,
+        attention.num_heads,
+        attention.num_kv_heads,
+        attention.head_dim,
+        mlp.down_proj.in_features,
+        torch.empty((), dtype=dtype).element_size(),
+        first.input_layernorm.eps,
+        attention.scale,
+        attention.softcap or 0.0,
+        _address(getattr(fused_lib, f"rms_norm_{suffix}")),
+        _address(getattr(fused_lib, f"silu_mul_{suffix}")),
+        _address(getattr(fused_lib, f"add_bias_{suffix}")),
+        _address(getattr(fused_lib, f"rope_write_kv{int8}_{suffix}")),
+        _address(getattr(cpu.library(), cpu.kernel_name(dtype, attention.head_dim, cache_dtype))),
+    )
 
 
 def _layer(layer: torch.nn.Module, dtype: torch.dtype) -> _Layer | None:
