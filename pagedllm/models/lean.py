@@ -7,8 +7,8 @@ argument conversion), which dominates a step of a small model at few rows.
 
 `LeanLayers.of(model, dtype)` says at load whether the model can run so (a dense MLP with SiLU, Llama's norms,
 no per-head q/k norms, full rotary, quantized projections whose parts all have a direct kernel, biases or not);
-`takes` says it per step (the CPU attention backend on caches its kernel reads, no LoRA rows, no chunk for SDPA,
-few enough rows)."""
+`takes` says it per step (the CPU attention backend on caches its kernel reads, in the dtype or int8, no LoRA
+rows, no chunk for SDPA, few enough rows)."""
 
 from __future__ import annotations
 
@@ -114,8 +114,8 @@ def _part_width(layers: ctypes.Array) -> int:
 @dataclass(slots=True)
 class LeanLayers:
     """The C loop's view of one model in one dtype: the shape and shared kernels (`models`, one for each KV cache
-    dtype) and each layer's weights (`layers`), as addresses into the model's tensors: the model holds it (`CausalLM.lean`), never the
-    other way round, so it lives no longer than they do."""
+    dtype) and each layer's weights (`layers`), as addresses into the model's tensors: the model holds it
+    (`CausalLM.lean`), never the other way round, so it lives no longer than they do."""
 
     dtype: torch.dtype
     models: dict[torch.dtype, _Model]  # by the KV cache's dtype: the dtype's own or int8
