@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -166,6 +167,18 @@ def test_command_prints_the_table_and_writes_json_and_a_plot(tiny_long_llama, tm
     assert (out / "throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_an_int8_kv_cache_runs_where_an_engine_has_one(tiny_long_llama, tmp_path, capsys):
+    args = ["bench", "throughput", "--model", str(tiny_long_llama), "--dtype", "float32", "--num-prompts", "2"]
+    # Unchecked: a random model's flat distributions part at gaps above a near-tie on an int8 cache.
+    args += ["--engines", "pagedllm,hf-static", "--kv-cache-dtype", "int8", "--check", "0", "--out", str(tmp_path)]
+    assert main(args) == 0
+    table = capsys.readouterr().out
+    assert "KV cache int8" in table and "not run: hf-static: no int8 KV cache" in table
+    report = json.loads((tmp_path / "throughput.json").read_text())
+    [paged] = report["results"]
+    assert report["kv_cache_dtype"] == "int8" and paged["detail"]["kv_cache_dtype"] == "int8"
+
+
 def test_unknown_engines_and_a_missing_vllm_interpreter_are_refused(tiny_long_llama, capsys):
     with pytest.raises(SystemExit) as exit:
         main(["bench", "throughput", "--model", str(tiny_long_llama), "--engines", "pagedllm,tgi"])
@@ -210,6 +223,10 @@ def test_openvino_runs_the_workload_in_its_own_interpreter(tmp_path, monkeypatch
     mtime = exported[0].stat().st_mtime_ns
     run_openvino(setup, workload)
     assert exported[0].stat().st_mtime_ns == mtime
+    # Its u8 KV cache (`--kv-cache-dtype int8`) takes the same workload (unchecked: a random model's flat
+    # distributions part at gaps above a near-tie on a quantized cache).
+    result = run_openvino(dataclasses.replace(setup, kv_cache_dtype="int8"), workload)
+    assert result.output_tok_per_s > 0
 
 
 @pytest.mark.slow  # half a minute; scripts/test_slow.sh runs it

@@ -90,6 +90,7 @@ class BenchSetup:
     model: str | Path | None = None  # what pagedllm reads, as named (a GGUF file runs quantized); None: `folder`
     dequantize: bool | None = None  # None: the engine's default (`EngineConfig.dequantize`)
     speculative_config: dict | None = None  # pagedllm's speculative decoding, as `LLM(speculative_config=...)`
+    kv_cache_dtype: str = "auto"  # "int8": pagedllm's int8 cache, OpenVINO's u8 one; the other engines have none
 
 
 @dataclass(slots=True)
@@ -136,6 +137,7 @@ def run_pagedllm(setup: BenchSetup, workload: Workload) -> EngineResult:
         device=setup.device,
         dequantize=setup.dequantize,
         speculative_config=setup.speculative_config,
+        kv_cache_dtype=setup.kv_cache_dtype,
     )
     load_seconds = time.perf_counter() - start
     prompts = [{"prompt_token_ids": list(r.prompt)} for r in workload.requests]
@@ -163,6 +165,7 @@ def run_pagedllm(setup: BenchSetup, workload: Workload) -> EngineResult:
     stats = llm.stats()
     result.detail = {
         "steps": stats.num_steps,
+        "kv_cache_dtype": llm.engine.config.kv_cache_dtype,
         "peak_kv_blocks": stats.kv_blocks_peak,
         "preemptions": stats.num_preemptions,
         "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
@@ -339,6 +342,7 @@ def run_openvino(setup: BenchSetup, workload: Workload) -> EngineResult:
     job = _workload_job(setup, workload) | {
         "model": str(openvino_export(setup.folder, Path(setup.openvino_python), _openvino_weights(setup.dtype))),
         "precision": "f32" if setup.dtype == torch.float32 else "bf16",
+        "kv_cache_precision": "u8" if setup.kv_cache_dtype == "int8" else None,
         "kv_cache_gb": 4,
         "max_num_seqs": 256,
     }
@@ -371,6 +375,8 @@ def openvino_export(folder: Path, python: Path, weight_format: str) -> Path:
     return cached_folder(cache_root() / "openvino", key, export)
 
 
+# The engines with an int8 KV cache: pagedllm's symmetric rows (`kv_quant`), OpenVINO's u8 (asymmetric groups).
+INT8_KV_ENGINES = ("pagedllm", "openvino")
 RUNNERS = {
     "pagedllm": run_pagedllm,
     "hf-static": run_hf_static,
@@ -385,6 +391,9 @@ def run_engines(setup: BenchSetup, workload: Workload, engines: list[str]) -> li
     Each result's sample is then checked against the reference."""
     results: list[EngineResult | str] = []
     for engine in engines:
+        if setup.kv_cache_dtype == "int8" and engine not in INT8_KV_ENGINES:
+            results.append(f"{engine}: no int8 KV cache")
+            continue
         try:
             results.append(RUNNERS[engine](setup, workload))
         except UnsupportedWorkload as reason:
@@ -406,7 +415,7 @@ def check_samples(setup: BenchSetup, workload: Workload, results: list[EngineRes
     are its own, where every divergence must be a near-tie but none need be equal: on so few sequences a bf16
     model parts at a near-tie about as often as not (transformers bf16 itself: 7 of 12 equal on the default
     model), and `bench accuracy` is what measures how near this path is to float32. OpenVINO's fp16 export
-    computed in bf16 is judged the same way."""
+    computed in bf16 is judged the same way, and so is every engine on an int8 KV cache."""
     if workload.temperature > 0 or workload.beam_width > 1 or setup.check == 0 or not results:
         for result in results:
             result.check = "not checked"
@@ -416,7 +425,8 @@ def check_samples(setup: BenchSetup, workload: Workload, results: list[EngineRes
     references = {setup.dtype: _references(setup, setup.dtype, requests)}
     for result in results:
         dtype, needed = setup.dtype, min_exact(len(requests))
-        if _rounds_other_weights(result.engine, setup) and setup.dtype != torch.float32:
+        reduced = _rounds_other_weights(result.engine, setup) and setup.dtype != torch.float32
+        if reduced or setup.kv_cache_dtype == "int8":
             dtype, needed = torch.float32, 0
             references.setdefault(dtype, _references(setup, dtype, requests))
         comparison = _compare(result.sample, references[dtype], requests, judge)
@@ -507,6 +517,7 @@ def add_bench_throughput_args(parser: argparse.ArgumentParser) -> None:
         **Booleans().flag_kwargs(),
     )
     add_option_flag(parser, EngineConfig, "speculative_config")
+    add_option_flag(parser, EngineConfig, "kv_cache_dtype")
     parser.add_argument("--threads", default=torch.get_num_threads(), **POSITIVE_INTS.flag_kwargs())
     parser.add_argument("--seed", default=0, **SEEDS.flag_kwargs())
     parser.add_argument("--device", default="cpu", **Choices(DEVICES).flag_kwargs())
@@ -551,6 +562,7 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
         model=default_model_file() if args.model is None else args.model,
         dequantize=args.dequantize,
         speculative_config=args.speculative_config,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     workload = make_workload(args.workload, args.num_prompts, model_config.vocab_size, max_model_len, args.seed)
     results = run_engines(setup, workload, list(args.engines))
@@ -568,7 +580,8 @@ def format_table(workload: Workload, setup: BenchSetup, results: list[EngineResu
     paged = next((r for r in rows if r.engine == "pagedllm"), None)
     lines = [
         f"workload {workload.name}: {len(workload.requests)} requests, {workload.prompt_tokens} prompt tokens, "
-        f"{workload.output_tokens} output tokens; {setup.dtype}, {setup.threads} threads, {setup.device}",
+        f"{workload.output_tokens} output tokens; {setup.dtype}, KV cache {setup.kv_cache_dtype}, "
+        f"{setup.threads} threads, {setup.device}",
         f"{'engine':<10} {'req/s':>8} {'out tok/s':>10} {'total tok/s':>12} {'load s':>7} {'run s':>8} "
         f"{'pagedllm ×':>11}  outputs",
     ]
@@ -594,6 +607,7 @@ def write_results(out: Path, workload: Workload, setup: BenchSetup, results: lis
         "output_tokens": workload.output_tokens,
         "model": str(setup.folder),
         "dtype": str(setup.dtype),
+        "kv_cache_dtype": setup.kv_cache_dtype,
         "threads": setup.threads,
         "device": setup.device,
         "python": sys.version.split()[0],
