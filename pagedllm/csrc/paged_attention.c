@@ -388,14 +388,17 @@ static inline __attribute__((always_inline)) void row_chunk(const float *restric
 
 /* An int8 cache's rows read where they lie, for up to INT8_TILE query rows of one KV head that see the same
  * positions (the query heads of one token), on AVX2 without soft-capping, head dims a multiple of 64. Each key
- * and value row is widened once in registers for all of them, where the general path copies a chunk's rows
- * into float rows first and reads them back once per query row: a decode step's int8 attention is bound by
- * that arithmetic, not by its reads (a quarter of float32's bytes). A row's scale multiplies its dot (keys)
- * or its weight (values) instead of its values: the same products up to rounding. */
+ * and value row is widened (and scaled) once in registers for all of them, where the general path copies a
+ * chunk's rows into float rows first and reads them back once per query row: a decode step's int8 attention
+ * is bound by that arithmetic, not by its reads (a quarter of float32's bytes). The values, the products and
+ * the order of every sum are avx2_row_chunk's on those float rows, so the result is the same bit for bit: an
+ * int8 cache rounds every later layer's K/V, which turns any last-bit difference into a different draw of
+ * its noise (docs/PERFORMANCE.md). */
 #define INT8_TILE 3
 #if defined(__AVX2__) && defined(__FMA__)
-static inline __m256 int8x8(const int8_t *p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+/* 8 int8 values at p times their row's scale, as load_int8_row widens them. */
+static inline __m256 int8x8(const int8_t *p, __m256 scale) {
+    return _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))));
 }
 
 static inline float int8_row_scale(const int8_t *row, int64_t head_dim) {
@@ -416,7 +419,7 @@ static inline __attribute__((always_inline)) void int8_tile_chunk(const float *r
                                                                   float *restrict l, float *restrict o) {
     float s[INT8_TILE][CHUNK], w[INT8_TILE][CHUNK], key_scale[CHUNK], value_scale[CHUNK];
     for (int64_t p = 0; p < n; p++) {
-        key_scale[p] = int8_row_scale(keys + p * stride, head_dim) * scale_log2e;
+        key_scale[p] = int8_row_scale(keys + p * stride, head_dim);
         value_scale[p] = int8_row_scale(values + p * stride, head_dim);
     }
     int64_t p = 0;
@@ -426,33 +429,31 @@ static inline __attribute__((always_inline)) void int8_tile_chunk(const float *r
             for (int j = 0; j < 4; j++) a[r][j] = _mm256_setzero_ps();
         for (int64_t d = 0; d < head_dim; d += 8) {
             __m256 k[4];
-            for (int j = 0; j < 4; j++) k[j] = int8x8(keys + (p + j) * stride + d);
+            for (int j = 0; j < 4; j++) k[j] = int8x8(keys + (p + j) * stride + d, _mm256_set1_ps(key_scale[p + j]));
             for (int r = 0; r < nr; r++) {
                 const __m256 qv = _mm256_loadu_ps(q + r * head_dim + d);
                 for (int j = 0; j < 4; j++) a[r][j] = _mm256_fmadd_ps(qv, k[j], a[r][j]);
             }
         }
-        const __m128 scales = _mm_loadu_ps(key_scale + p);
-        for (int r = 0; r < nr; r++) _mm_storeu_ps(s[r] + p, _mm_mul_ps(hsum4(a[r]), scales));
+        for (int r = 0; r < nr; r++) _mm_storeu_ps(s[r] + p, _mm_mul_ps(hsum4(a[r]), _mm_set1_ps(scale_log2e)));
     }
     for (; p < n; p++) {
         __m256 a[INT8_TILE];
         for (int r = 0; r < nr; r++) a[r] = _mm256_setzero_ps();
         for (int64_t d = 0; d < head_dim; d += 8) {
-            const __m256 k = int8x8(keys + p * stride + d);
+            const __m256 k = int8x8(keys + p * stride + d, _mm256_set1_ps(key_scale[p]));
             for (int r = 0; r < nr; r++) a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * head_dim + d), k, a[r]);
         }
         for (int r = 0; r < nr; r++) {
             __m128 h = _mm_add_ps(_mm256_castps256_ps128(a[r]), _mm256_extractf128_ps(a[r], 1));
             h = _mm_hadd_ps(h, h);
-            s[r][p] = _mm_cvtss_f32(_mm_hadd_ps(h, h)) * key_scale[p];
+            s[r][p] = _mm_cvtss_f32(_mm_hadd_ps(h, h)) * scale_log2e;
         }
     }
     for (int r = 0; r < nr; r++) {
         float top = -INFINITY;
         for (p = 0; p < n; p++) top = s[r][p] > top ? s[r][p] : top;
         row_softmax_update(s[r], top, n, head_dim, &m[r], &l[r], o + r * head_dim, w[r]);
-        for (p = 0; p < n; p++) w[r][p] *= value_scale[p];
     }
     for (int64_t d0 = 0; d0 < head_dim; d0 += 32) {
         __m256 acc[INT8_TILE][4];
@@ -460,7 +461,8 @@ static inline __attribute__((always_inline)) void int8_tile_chunk(const float *r
             for (int j = 0; j < 4; j++) acc[r][j] = _mm256_loadu_ps(o + r * head_dim + d0 + 8 * j);
         for (p = 0; p < n; p++) {
             __m256 v[4];
-            for (int j = 0; j < 4; j++) v[j] = int8x8(values + p * stride + d0 + 8 * j);
+            const __m256 scale = _mm256_set1_ps(value_scale[p]);
+            for (int j = 0; j < 4; j++) v[j] = int8x8(values + p * stride + d0 + 8 * j, scale);
             for (int r = 0; r < nr; r++) {
                 const __m256 wv = _mm256_set1_ps(w[r][p]);
                 for (int j = 0; j < 4; j++) acc[r][j] = _mm256_fmadd_ps(wv, v[j], acc[r][j]);
