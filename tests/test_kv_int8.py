@@ -137,6 +137,23 @@ def test_int8_attention_is_float_attention_within_the_quantization_step(backend,
     run_case(backend, dtype, block_size, heads, lens, [1, 1, 1, 9, 9])
 
 
+@pytest.mark.parametrize("window", [0, 24])
+def test_int8_rows_read_in_place_give_the_bits_of_rows_widened_first(window):
+    """The C kernel reads 16-position blocks' int8 rows where they lie (on AVX2, the default model's heads) and
+    widens 8-position blocks' into float rows first: the same sums in the same order, the same bits. (Any other
+    rounding would draw another sample of an int8 cache's noise in every later layer.)"""
+    lens, query_lens = [1, 40, 77, 30], [1, 1, 1, 9]
+    k, v = random_kv(lens, 3, 64, seed=6)
+    query = torch.randn(sum(query_lens), 9, 64, generator=torch.Generator().manual_seed(6))
+    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    outputs = []
+    for block_size in (16, 8):
+        k_cache, v_cache, tables = filled_caches(k, v, block_size, torch.int8)
+        args = (tables, torch.tensor(lens, dtype=torch.int32), starts, 0.125)
+        outputs.append(paged_attention(query, k_cache, v_cache, *args, backend="cpu", window=window))
+    assert torch.equal(outputs[0], outputs[1])
+
+
 @pytest.mark.parametrize("backend", cpu_backends())
 @pytest.mark.parametrize("softcap", [0.0, 20.0])
 def test_int8_attention_with_window_and_softcap(backend, softcap):
