@@ -20,8 +20,8 @@
  *    to bf16 for P.V (as torch's own CPU flash attention does). See the section for the data layouts.
  *  - portable C, for float32 and for machines without AVX512-BF16: the same online softmax on floats.
  *    It also reads int8 caches (pagedllm.attention.kv_quant): each (position, KV head) row is head_dim
- *    int8 values followed by their float32 scale, dequantized into the chunk's float rows, with float32
- *    or bf16 queries.
+ *    int8 values followed by their float32 scale, dequantized into the chunk's float rows (on AVX2, in
+ *    registers where they lie: int8_tile_chunk), with float32 or bf16 queries.
  * Both are compiled wherever the compiler can, so the tests run both on an AVX512-BF16 machine.
  *
  * Two per-layer options, as Hugging Face computes them (Mistral and Gemma sliding windows, Gemma 2's
@@ -486,6 +486,7 @@ static void int8_rows_chunk(const float *restrict q, int nr, const int8_t *keys,
 #define INT8_DIRECT 1
 #else
 #define INT8_DIRECT 0
+/* Never called (int8_direct is 0 here): it lets the item code compile on every target. */
 static void int8_rows_chunk(const float *restrict q, int nr, const int8_t *keys, const int8_t *values, int64_t stride,
                             int64_t n, int64_t head_dim, float scale_log2e, float *restrict m, float *restrict l,
                             float *restrict o) {
