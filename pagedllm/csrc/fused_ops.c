@@ -55,6 +55,27 @@ static void quantize_row(const float *x, int8_t *row, int64_t n) {
 }
 #pragma GCC pop_options
 
+/* rope_write_kv for queries of type T and a cache of element type C, whose WRITE_HEAD writes one row's K/V
+ * head at its slot (see DEFINE_FUSED). */
+#define DEFINE_ROPE_WRITE_KV(NAME, SUFFIX, T, C, WRITE_HEAD)                                               \
+    void NAME(const T *qkv, int64_t qkv_stride, const T *cos, const T *sin, T *q_out, C *k_cache, C *v_cache, \
+              const int64_t *slots, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,          \
+              int64_t block_size, int64_t block_stride, int64_t position_stride, int64_t head_stride) {       \
+        _Pragma("omp parallel for schedule(static)")                                                         \
+        for (int64_t r = 0; r < rows; r++) {                                                                 \
+            const T *row = qkv + r * qkv_stride, *c = cos + r * head_dim, *s = sin + r * head_dim;           \
+            for (int64_t h = 0; h < heads; h++)                                                              \
+                rope_head_##SUFFIX(row + h * head_dim, c, s, q_out + (r * heads + h) * head_dim, head_dim / 2); \
+            if (slots[r] < 0)                                                                                \
+                continue;                                                                                    \
+            const T *k = row + heads * head_dim, *v = k + kv_heads * head_dim;                               \
+            const int64_t slot = slots[r] / block_size * block_stride + slots[r] % block_size * position_stride; \
+            for (int64_t h = 0; h < kv_heads; h++)                                                           \
+                WRITE_HEAD(k + h * head_dim, v + h * head_dim, c, s, k_cache + slot + h * head_stride,       \
+                           v_cache + slot + h * head_stride, head_dim);                                      \
+        }                                                                                                    \
+    }
+
 #define DEFINE_FUSED(SUFFIX, T, LOAD, STORE)                                                             \
     /* out = weight * round(x * rsqrt(mean(x^2) + eps)); with `residual`, x = round(x + residual) is  \
      * computed first and written back to `residual` (the stream the next layer adds to). With        \
@@ -142,63 +163,35 @@ static void quantize_row(const float *x, int8_t *row, int64_t n) {
                                    sin + r * head_dim, out + (r * heads + h) * head_dim, head_dim / 2); \
     }                                                                                                 \
                                                                                                       \
+    /* One row's K/V head at its slot: the key rotated into the K cache, the value copied. */         \
+    static inline void write_head_##SUFFIX(const T *k, const T *v, const T *c, const T *s, T *k_dst,  \
+                                           T *v_dst, int64_t head_dim) {                              \
+        rope_head_##SUFFIX(k, c, s, k_dst, head_dim / 2);                                             \
+        memcpy(v_dst, v, sizeof(T) * head_dim);                                                       \
+    }                                                                                                 \
+                                                                                                      \
+    /* The same into an int8 cache's rows (values and scale): the key rotated and rounded to T, then  \
+     * quantized as kv_quant.quantize quantizes it; the value quantized as it is. */                  \
+    static inline void write_head_int8_##SUFFIX(const T *k, const T *v, const T *c, const T *s,       \
+                                                int8_t *k_dst, int8_t *v_dst, int64_t head_dim) {     \
+        T rotated[MAX_INT8_ROW];                                                                      \
+        float wide[MAX_INT8_ROW];                                                                     \
+        rope_head_##SUFFIX(k, c, s, rotated, head_dim / 2);                                           \
+        for (int64_t i = 0; i < head_dim; i++) wide[i] = LOAD(rotated[i]);                            \
+        quantize_row(wide, k_dst, head_dim);                                                          \
+        for (int64_t i = 0; i < head_dim; i++) wide[i] = LOAD(v[i]);                                  \
+        quantize_row(wide, v_dst, head_dim);                                                          \
+    }                                                                                                 \
+                                                                                                      \
     /* An attention layer's whole rotary pass and K/V write from its fused projection `qkv` [rows,    \
      * (heads + 2 kv_heads) head_dim] (row stride `qkv_stride`): the query heads rotated into `q_out`  \
      * [rows, heads, head_dim], the key heads rotated straight into the K cache at each row's slot and \
      * the value heads copied into the V cache there (caches [blocks, block_size, kv_heads, head_dim] \
      * with strides `block_stride`, `position_stride`, `head_stride` in elements, K and V alike, rows  \
      * contiguous); a negative slot is padding and is not written. One pass instead of rope, rope and  \
-     * two scatters. */                                                                               \
-    void rope_write_kv_##SUFFIX(const T *qkv, int64_t qkv_stride, const T *cos, const T *sin, T *q_out, \
-                                T *k_cache, T *v_cache, const int64_t *slots, int64_t rows, int64_t heads, \
-                                int64_t kv_heads, int64_t head_dim, int64_t block_size,               \
-                                int64_t block_stride, int64_t position_stride, int64_t head_stride) { \
-        const int64_t half = head_dim / 2;                                                            \
-        _Pragma("omp parallel for schedule(static)")                                                  \
-        for (int64_t r = 0; r < rows; r++) {                                                          \
-            const T *row = qkv + r * qkv_stride, *c = cos + r * head_dim, *s = sin + r * head_dim;    \
-            for (int64_t h = 0; h < heads; h++)                                                       \
-                rope_head_##SUFFIX(row + h * head_dim, c, s, q_out + (r * heads + h) * head_dim, half); \
-            if (slots[r] < 0)                                                                         \
-                continue;                                                                             \
-            const T *k = row + heads * head_dim, *v = k + kv_heads * head_dim;                        \
-            const int64_t slot = slots[r] / block_size * block_stride + slots[r] % block_size * position_stride; \
-            for (int64_t h = 0; h < kv_heads; h++) {                                                  \
-                rope_head_##SUFFIX(k + h * head_dim, c, s, k_cache + slot + h * head_stride, half);   \
-                memcpy(v_cache + slot + h * head_stride, v + h * head_dim, sizeof(T) * head_dim);    \
-            }                                                                                         \
-        }                                                                                             \
-    }                                                                                                 \
-                                                                                                      \
-    /* rope_write_kv into an int8 cache (strides in bytes, rows of head_dim values and their scale):   \
-     * each key head rotated and rounded to T, then quantized as kv_quant.quantize quantizes it; each \
-     * value head quantized as it is. */                                                              \
-    void rope_write_kv_int8_##SUFFIX(const T *qkv, int64_t qkv_stride, const T *cos, const T *sin,    \
-                                     T *q_out, int8_t *k_cache, int8_t *v_cache, const int64_t *slots, \
-                                     int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,  \
-                                     int64_t block_size, int64_t block_stride, int64_t position_stride, \
-                                     int64_t head_stride) {                                           \
-        const int64_t half = head_dim / 2;                                                            \
-        _Pragma("omp parallel for schedule(static)")                                                  \
-        for (int64_t r = 0; r < rows; r++) {                                                          \
-            const T *row = qkv + r * qkv_stride, *c = cos + r * head_dim, *s = sin + r * head_dim;    \
-            T rotated[MAX_INT8_ROW];                                                                  \
-            float wide[MAX_INT8_ROW];                                                                 \
-            for (int64_t h = 0; h < heads; h++)                                                       \
-                rope_head_##SUFFIX(row + h * head_dim, c, s, q_out + (r * heads + h) * head_dim, half); \
-            if (slots[r] < 0)                                                                         \
-                continue;                                                                             \
-            const T *k = row + heads * head_dim, *v = k + kv_heads * head_dim;                        \
-            const int64_t slot = slots[r] / block_size * block_stride + slots[r] % block_size * position_stride; \
-            for (int64_t h = 0; h < kv_heads; h++) {                                                  \
-                rope_head_##SUFFIX(k + h * head_dim, c, s, rotated, half);                            \
-                for (int64_t i = 0; i < head_dim; i++) wide[i] = LOAD(rotated[i]);                    \
-                quantize_row(wide, k_cache + slot + h * head_stride, head_dim);                       \
-                for (int64_t i = 0; i < head_dim; i++) wide[i] = LOAD(v[h * head_dim + i]);           \
-                quantize_row(wide, v_cache + slot + h * head_stride, head_dim);                       \
-            }                                                                                         \
-        }                                                                                             \
-    }
+     * two scatters. rope_write_kv_int8 writes an int8 cache so (strides in bytes). */                \
+    DEFINE_ROPE_WRITE_KV(rope_write_kv_##SUFFIX, SUFFIX, T, T, write_head_##SUFFIX)                  \
+    DEFINE_ROPE_WRITE_KV(rope_write_kv_int8_##SUFFIX, SUFFIX, T, int8_t, write_head_int8_##SUFFIX)
 
 DEFINE_FUSED(bf16, uint16_t, bf16_to_float, float_to_bf16)
 DEFINE_FUSED(f32, float, f32_load, f32_store)
