@@ -39,7 +39,7 @@ static inline float silu(float x) {
  * bytes. kv_quant.quantize's arithmetic, so the rows are the Python path's bit for bit; for that its
  * divisions must stay divisions (the build's -freciprocal-math would multiply by a rounded reciprocal). */
 #define QMAX 127.f
-#define MAX_INT8_ROW 256 /* the widest head the attention kernels take */
+#define MAX_INT8_ROW 256 /* the widest head the attention kernels take (pagedllm.models.fused checks it) */
 #pragma GCC push_options
 #pragma GCC optimize("no-reciprocal-math")
 static void quantize_row(const float *x, int8_t *row, int64_t n) {
