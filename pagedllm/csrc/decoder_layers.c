@@ -101,8 +101,9 @@ static void project(const Model *m, const Matrix *p, const void *x, int64_t rows
 static void attention_block(const Model *m, const Layer *layer, const Step *s, void *k_cache, void *v_cache) {
     const int64_t q_size = m->heads * m->head_dim;
     project(m, &layer->qkv, s->hidden, s->rows, m->hidden, s->qkv, s->part);
-    m->rope_write_kv(s->qkv, projection_width(&layer->qkv), s->cos, s->sin, s->q, k_cache, v_cache, s->slots, s->rows, m->heads,
-                     m->kv_heads, m->head_dim, s->block_size, s->block_stride, s->position_stride, s->head_stride);
+    m->rope_write_kv(s->qkv, projection_width(&layer->qkv), s->cos, s->sin, s->q, k_cache, v_cache, s->slots,
+                     s->rows, m->heads, m->kv_heads, m->head_dim, s->block_size, s->block_stride,
+                     s->position_stride, s->head_stride);
     m->attend(s->q, k_cache, v_cache, s->block_tables, s->table_stride, s->seq_lens, s->query_start_loc,
               s->attention, s->num_seqs, m->heads, m->kv_heads, m->head_dim, s->block_size, s->block_stride,
               s->position_stride, s->head_stride, m->scale, layer->window, m->softcap);

@@ -495,6 +495,22 @@ static void int8_rows_chunk(const float *restrict q, int nr, const int8_t *keys,
 }
 #endif
 
+/* How many positions of the chunk from `chunk_start` a query row at `position` sees (0: none), from the
+ * chunk's `*skip`-th on: with a window (mode != PLAIN, the row's first visible position `first`) the chunk's
+ * positions below it are skipped. */
+static inline __attribute__((always_inline)) int64_t row_span(int64_t position, int64_t first, int64_t chunk_start,
+                                                              int mode, int64_t *skip) {
+    const int64_t visible = position - chunk_start + 1;
+    *skip = 0;
+    if (visible <= 0) return 0;
+    if (mode != PLAIN) {
+        const int64_t below = first - chunk_start;
+        if (below >= CHUNK) return 0;
+        *skip = below > 0 ? below : 0;
+    }
+    return (visible < CHUNK ? visible : CHUNK) - *skip;
+}
+
 /* One item for a cache element type T. The query rows are widened to float once per item. A chunk of
  * float32 K/V inside one block is read in place; anything else (bf16, or a chunk across blocks) is
  * first copied into float rows. A constant head_dim (64, 128) lets the compiler unroll; `mode` is a
@@ -544,18 +560,12 @@ static void int8_rows_chunk(const float *restrict q, int nr, const int8_t *keys,
                     for (int64_t r = kv * per_kv, nr; r < (kv + 1) * per_kv; r += nr) {                       \
                         const int64_t left = group - (r - kv * per_kv) % group; /* this token's rows */       \
                         nr = left < INT8_TILE ? left : INT8_TILE;                                             \
-                        const int64_t visible = position[r] - chunk_start + 1;                                \
-                        if (visible <= 0) continue;                                                           \
-                        int64_t skip = 0;                                                                     \
-                        if (mode != PLAIN) {                                                                  \
-                            skip = first[r] - chunk_start;                                                    \
-                            if (skip >= CHUNK) continue;                                                      \
-                            skip = skip > 0 ? skip : 0;                                                       \
-                        }                                                                                     \
+                        int64_t skip;                                                                         \
+                        const int64_t n = row_span(position[r], first[r], chunk_start, mode, &skip);          \
+                        if (n <= 0) continue;                                                                 \
                         int8_rows_chunk(q + r * head_dim, (int)nr, k8 + skip * b->position_stride,            \
-                                        v8 + skip * b->position_stride, b->position_stride,                   \
-                                        (visible < CHUNK ? visible : CHUNK) - skip, head_dim, b->scale_log2e,  \
-                                        &m[r], &l[r], o + r * head_dim);                                      \
+                                        v8 + skip * b->position_stride, b->position_stride, n, head_dim,      \
+                                        b->scale_log2e, &m[r], &l[r], o + r * head_dim);                      \
                     }                                                                                         \
                     continue;                                                                                 \
                 }                                                                                             \
@@ -572,17 +582,12 @@ static void int8_rows_chunk(const float *restrict q, int nr, const int8_t *keys,
                     }                                                                                         \
                 }                                                                                             \
                 for (int64_t r = kv * per_kv; r < (kv + 1) * per_kv; r++) {                                   \
-                    const int64_t visible = position[r] - chunk_start + 1;                                    \
-                    if (visible <= 0) continue;                                                               \
-                    int64_t skip = 0; /* the chunk's positions below the row's window */                      \
-                    if (mode != PLAIN) {                                                                      \
-                        skip = first[r] - chunk_start;                                                        \
-                        if (skip >= CHUNK) continue;                                                          \
-                        skip = skip > 0 ? skip : 0;                                                           \
-                    }                                                                                         \
-                    row_chunk(q + r * head_dim, keys + skip * stride, values + skip * stride, stride,         \
-                              (visible < CHUNK ? visible : CHUNK) - skip, head_dim, b->scale_log2e, capped,   \
-                              b->cap_in, b->cap_out, &m[r], &l[r], o + r * head_dim);                         \
+                    int64_t skip;                                                                             \
+                    const int64_t n = row_span(position[r], first[r], chunk_start, mode, &skip);              \
+                    if (n <= 0) continue;                                                                     \
+                    row_chunk(q + r * head_dim, keys + skip * stride, values + skip * stride, stride, n,      \
+                              head_dim, b->scale_log2e, capped, b->cap_in, b->cap_out, &m[r], &l[r],          \
+                              o + r * head_dim);                                                              \
                 }                                                                                             \
             }                                                                                                 \
         }                                                                                                     \
