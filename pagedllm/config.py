@@ -135,6 +135,14 @@ class EngineConfig:
         "load: int8 (Q8_0, 8-bit values in blocks of 32 with a scale each) or int4 (Q4_0, 4-bit)",
         domain=Choices(QUANTIZATIONS),
     )
+    int16_activations: bool | None = option(
+        None,
+        "products on a GGUF file's (or `quantization`'s) blocks quantize their activations to int16 per block of "
+        "32 and multiply in integers, where this CPU has such a kernel for dtype: float32 on Q4_0, Q4_1 and Q8_0 "
+        "blocks (AVX2), bfloat16 on repacked ones (AVX512-VNNI); default: yes; False: the product with the "
+        "dequantized weights in dtype",
+        domain=Booleans(),
+    )
     kv_cache_dtype: str = option(
         "auto",
         "KV cache storage: auto (the model's dtype) or int8 (8-bit K/V with a float32 scale per token and KV head: "

@@ -101,7 +101,13 @@ class LLMEngine:
         self._bytes_per_block = pool.bytes_per_block
         self._group = TensorParallelGroup.start(config, model_config, folder, pool)
         self.loaded: LoadedModel = load_model(
-            config.model, config.torch_dtype, config.device, self._group.shard, config.dequantize, config.quantization
+            config.model,
+            config.torch_dtype,
+            config.device,
+            self._group.shard,
+            config.dequantize,
+            config.quantization,
+            config.int16_activations,
         )
         self.tokenizer = self.loaded.tokenizer
         self.text_bound = TextBound.of(self.tokenizer)
@@ -462,7 +468,15 @@ class LLMEngine:
         """Speculative decoding's draft model, with a pool of the target's blocks; it must share the target's
         vocabulary, since its guesses are the target's token ids."""
         config = self.config
-        loaded = load_model(path, config.torch_dtype, config.device, None, config.dequantize, config.quantization)
+        loaded = load_model(
+            path,
+            config.torch_dtype,
+            config.device,
+            None,
+            config.dequantize,
+            config.quantization,
+            config.int16_activations,
+        )
         if loaded.tokenizer.get_vocab() != self.tokenizer.get_vocab() or loaded.config.vocab_size != self.vocab_size:
             raise ValueError(
                 f"speculative_config: the draft model {path!r} has another vocabulary than the model "

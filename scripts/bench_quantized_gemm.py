@@ -38,7 +38,7 @@ def main() -> None:
     values = torch.randn(out_features, in_features) * 0.02
     kind = GGMLQuantizationType[args.type]
     weight = QuantizedWeight(kind, torch.from_numpy(quantize(values.numpy(), kind).copy()), in_features)
-    quantized = pack(weight) if packs(weight) else weight
+    quantized = pack(weight) if packs(weight, torch.bfloat16) else weight
     dense = weight.dequantize(torch.bfloat16)
     print(f"{args.type} {out_features}x{in_features}, {args.threads} threads; {type(quantized).__name__} kernel")
     for rows in args.rows:

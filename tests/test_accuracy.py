@@ -29,13 +29,14 @@ def test_bf16_is_within_the_oracle_and_float32_is_the_reference(tmp_path, capsys
     assert report["windows"] * (report["width"] - 1) == 508
     assert 5 < rows["transformers-float32"]["perplexity"] < 100  # real prose on a real model, not noise
     float32 = rows["pagedllm-float32"]
-    assert float32["mean_kl"] < 1e-6 and float32["top1_agreement"] == 1.0
-    assert abs(float32["delta_perplexity"]) < 1e-3
+    # float32, or float32 with activations quantized to int16 (15 bits a block) where AVX2 kernels take them
+    assert float32["mean_kl"] < 1e-5 and float32["top1_agreement"] > 0.99
+    assert abs(float32["delta_perplexity"]) < 1e-2
     bf16 = rows["pagedllm-bfloat16"]
     assert 0 < bf16["mean_kl"] < 0.01  # bf16 really ran: not the float32 path
-    [verdict] = report["verdicts"]
-    assert verdict["config"] == "pagedllm-bfloat16" and verdict["peer"] == "transformers-bfloat16"
-    assert verdict["passed"], verdict
+    verdicts = {verdict["config"]: verdict for verdict in report["verdicts"]}
+    assert verdicts.keys() == {"pagedllm-float32", "pagedllm-bfloat16"}
+    assert all(v["peer"] == "transformers-bfloat16" and v["passed"] for v in verdicts.values()), verdicts
     assert status == 0
 
 
@@ -49,7 +50,7 @@ def test_one_bit_lost_in_the_logits_is_outside_the_oracle(tmp_path, capsys, monk
 
     monkeypatch.setattr(accuracy, "_step", rounded)
     status, report = _report(tmp_path, capsys)
-    [verdict] = report["verdicts"]
+    verdict = next(v for v in report["verdicts"] if v["config"] == "pagedllm-bfloat16")
     assert not verdict["passed"] and verdict["kl_ratio"] > accuracy.KL_RATIO, verdict
     assert status == 1
 

@@ -170,7 +170,16 @@ def test_steps_it_cannot_run_go_through_the_layers(tiny_files, lean_steps) -> No
 
 def test_more_rows_than_the_blocks_take_go_through_the_layers(tiny_files, lean_steps, monkeypatch) -> None:
     monkeypatch.setattr(lean_module.quantized, "FEW_ROWS", 8)  # prompt chunks of 24 rows use the dense copies
-    llm = engine(tiny_files["llama-q4_1"])
+    llm = engine(tiny_files["llama-q4_1"], int16_activations=False)
     lean = picks(run(llm))
     assert lean_steps and max(lean_steps) <= 8
+    assert picks(run(python_layers(llm))) == lean
+
+
+@pytest.mark.skipif(not has_integer_kernel(torch.float32), reason="float32 weights are packed where AVX2 is")
+def test_packed_float32_weights_take_every_row_count_in_one_call(tiny_files, lean_steps, monkeypatch) -> None:
+    monkeypatch.setattr(lean_module.quantized, "FEW_ROWS", 8)  # the blocks as stored would stop at 8
+    llm = engine(tiny_files["llama-q4_1"])
+    lean = picks(run(llm))
+    assert max(lean_steps) == 24  # the prompt chunks too
     assert picks(run(python_layers(llm))) == lean

@@ -232,12 +232,14 @@ def _layers(llm: LLM) -> list[QuantizedLinear]:
     return [m for m in llm.engine.loaded.model.modules() if isinstance(m, QuantizedLinear)]
 
 
-def test_by_default_float32_layers_hold_a_dense_copy_beside_their_blocks(llama_q4_1: Path, monkeypatch) -> None:
-    """No integer kernel takes float32: each layer keeps its blocks (up to FEW_ROWS rows) and a dequantized,
+def test_float32_layers_on_float_activations_hold_a_dense_copy_beside_their_blocks(
+    llama_q4_1: Path, monkeypatch
+) -> None:
+    """Without the integer kernel, each float32 layer keeps its blocks (up to FEW_ROWS rows) and a dequantized,
     prepacked copy (more rows), and a run that uses both gives transformers' greedy tokens on the dequantized
     weights; bf16 layers get a copy only where AVX512-VNNI is missing; asking either way is obeyed."""
     monkeypatch.setattr(quantized, "FEW_ROWS", 8)  # so that this short run's prefill reaches the copy
-    llm = LLM(model=llama_q4_1, dtype="float32", num_kv_blocks=64)
+    llm = LLM(model=llama_q4_1, dtype="float32", num_kv_blocks=64, int16_activations=False)
     layers = _layers(llm)
     assert layers and all(layer.dense is not None for layer in layers)
     assert isinstance(llm.engine.loaded.model.embed_tokens, QuantizedEmbedding)
@@ -247,7 +249,8 @@ def test_by_default_float32_layers_hold_a_dense_copy_beside_their_blocks(llama_q
     folder = gguf_to_hf_folder(llama_q4_1)
     comparison = compare_greedy(outputs, reference_greedy(folder, prompts, 10))
     assert comparison.exact == len(prompts), comparison
-    assert all(layer.dense is None for layer in _layers(LLM(model=llama_q4_1, dtype="float32", dequantize=False)))
+    no_copy = LLM(model=llama_q4_1, dtype="float32", dequantize=False, int16_activations=False)
+    assert all(layer.dense is None for layer in _layers(no_copy))
     assert not _layers(LLM(model=llama_q4_1, dtype="float32", dequantize=True))
     assert loader.holds_dense(llama_q4_1, torch.bfloat16, "cpu", 1, None) == (
         not HAS_VNNI and prepack.can_prepack(torch.empty(0, dtype=torch.bfloat16))
@@ -271,11 +274,12 @@ def test_a_layer_with_a_dense_copy_multiplies_few_rows_from_its_blocks(monkeypat
 def test_no_dense_copy_where_it_would_not_fit(llama_q4_1: Path, monkeypatch, caplog) -> None:
     elements = sum(t.n_elements for t in gguf.GGUFReader(llama_q4_1).tensors)
     monkeypatch.setattr(loader, "available_memory", lambda: int(elements * 4 / loader.DEQUANTIZED_SHARE) - 1)
+    options = dict(model=llama_q4_1, dtype="float32", int16_activations=False)
     with caplog.at_level("WARNING", logger="pagedllm.models.loader"):
-        assert all(layer.dense is None for layer in _layers(LLM(model=llama_q4_1, dtype="float32")))
+        assert all(layer.dense is None for layer in _layers(LLM(**options)))
     assert "quantized blocks alone" in caplog.text and "dequantize=True" in caplog.text
     monkeypatch.setattr(loader, "available_memory", lambda: int(elements * 4 / loader.DEQUANTIZED_SHARE) + 4)
-    assert all(layer.dense is not None for layer in _layers(LLM(model=llama_q4_1, dtype="float32")))
+    assert all(layer.dense is not None for layer in _layers(LLM(**options)))
 
 
 # --- quantization= on an HF checkpoint --------------------------------------------------------------
@@ -322,6 +326,8 @@ def test_quantization_is_refused_off_a_single_cpu_rank() -> None:
 
 PACKED_KINDS = (Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K)
 HAS_VNNI = {"avx512_vnni", "avx512_bf16"} <= set(native.cpu_flags().split())
+FLOAT32_PACKED_KINDS = (Q.Q4_0, Q.Q4_1, Q.Q8_0)
+HAS_X16 = {"avx2", "fma"} <= set(native.cpu_flags().split())
 
 
 def test_the_integer_kernel_is_built_where_the_cpu_has_avx512_vnni() -> None:
@@ -365,6 +371,48 @@ def test_the_integer_product_is_within_the_outputs_bf16_rounding(kind: Q, rows: 
     assert ((out.double() - expected).abs() <= bound).all()
 
 
+def test_the_float32_integer_kernel_is_built_where_the_cpu_has_avx2() -> None:
+    lib = quantized.library()
+    assert lib is not None and bool(lib.has_x16_gemm()) == HAS_X16
+
+
+@pytest.mark.skipif(not HAS_X16, reason="no AVX2 here: float32 weights are never packed, the kernel is not built")
+@pytest.mark.parametrize("kind", FLOAT32_PACKED_KINDS, ids=lambda k: k.name)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 37, 70])
+def test_the_float32_integer_product_is_within_the_activations_quantization(kind: Q, rows: int) -> None:
+    """Up to 3 rows in register tiles, from 4 through panels (70: two chunks of 64 rows, tiles of 3 with 1 and 2
+    left over); 288 inputs, 9 blocks: a panel of 8 and one of 1."""
+    weight, exact = _weight(kind, 48, 288, seed=6)
+    assert quantized.packs(weight, torch.float32)
+    packed = quantized.pack(weight)
+    x = torch.randn(rows, 288)
+    x[0, 40] = 30.0  # an outlier sets its block's scale: the others keep 15 bits
+    out = matmul(x, packed)
+    assert out.dtype == torch.float32 and out.shape == (rows, 48)
+    expected = x.double() @ exact.T
+    # Each activation is off by at most half its block's step (amax / 32767); float32 sums and scales after.
+    step = x.double().abs().reshape(rows, -1, 32).amax(-1) / 32767
+    quantization = (step / 2) @ exact.abs().reshape(48, -1, 32).sum(-1).T
+    bound = 1.01 * quantization + 1e-5 * (x.double().abs() @ exact.abs().T)
+    assert ((out.double() - expected).abs() <= bound).all()
+    assert (out.double() - expected).abs().max() > 0  # quantized: not the float product
+
+
+@pytest.mark.skipif(not HAS_X16, reason="no AVX2 here: float32 weights are never packed")
+def test_a_float32_model_holds_its_matrices_packed_without_dense_copies(llama_q4_1: Path) -> None:
+    """Every layer and the tied head packed, none with a dequantized copy, and transformers' greedy tokens on
+    the dequantized weights (wide random weights: few near-ties for the int16 activations to tip)."""
+    llm = LLM(model=llama_q4_1, dtype="float32", num_kv_blocks=64)
+    layers = _layers(llm)
+    assert layers and all(layer.dense is None for layer in layers)
+    assert all(isinstance(part, quantized.PackedWeight) for layer in layers for part in layer.parts)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 380) for _ in range(n)] for n in (5, 9, 40)]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    comparison = compare_greedy(outputs, reference_greedy(gguf_to_hf_folder(llama_q4_1), prompts, 10))
+    assert comparison.exact == len(prompts), comparison
+
+
 @pytest.mark.parametrize("family", ["llama", "mistral"])
 def test_a_bf16_model_holds_its_matrices_packed(family: str, monkeypatch, tmp_path) -> None:
     """Mistral's LM head is tied: packed once, and the embedding looks its rows up in the packed weight."""
@@ -388,6 +436,6 @@ def test_a_bf16_model_holds_its_matrices_packed(family: str, monkeypatch, tmp_pa
     prompts = [[rng.randrange(3, 380) for _ in range(n)] for n in (3, 17, 40)]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     bf16 = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    float32 = LLM(model=path, dtype="float32", num_kv_blocks=64, dequantize=False)
+    float32 = LLM(model=path, dtype="float32", num_kv_blocks=64, dequantize=False, int16_activations=False)
     assert {type(p).__name__ for p in float32.engine.loaded.model.lm_head.parts} == {"QuantizedWeight"}
     assert bf16 == [o.outputs[0].token_ids for o in float32.generate(prompts, params, use_tqdm=False)]

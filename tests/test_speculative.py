@@ -155,8 +155,10 @@ COPYING = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 
 @pytest.fixture(scope="module")
 def default_models() -> tuple[LLM, LLM]:
     """The default model in float32 without and with n-gram speculation: fresh engines (the first test counts
-    their steps)."""
-    return LLM(dtype="float32", num_kv_blocks=128), LLM(dtype="float32", num_kv_blocks=128, speculative_config=COPYING)
+    their steps). Float products: a verifying step's logprobs then equal a decode step's up to summation order,
+    where int16 activations would let a last-bit difference cross a quantization step now and then."""
+    options = dict(dtype="float32", num_kv_blocks=128, int16_activations=False)
+    return LLM(**options), LLM(**options, speculative_config=COPYING)
 
 
 def test_the_default_model_copying_its_input_accepts_most_guesses_and_hits_the_prefix_cache(default_models):

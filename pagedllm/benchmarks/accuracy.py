@@ -72,7 +72,9 @@ class Configuration:
 CONFIGURATIONS = {
     c.name: c
     for c in (
-        Configuration("pagedllm-float32", "pagedllm", torch.float32),
+        # Where int16 kernels take a float32 model's quantized layers (AVX2), they quantize its activations.
+        Configuration("pagedllm-float32", "pagedllm", torch.float32, peer="transformers-bfloat16"),
+        Configuration("pagedllm-float32-float-activations", "pagedllm", torch.float32, {"int16_activations": False}),
         Configuration("pagedllm-bfloat16", "pagedllm", torch.bfloat16, peer="transformers-bfloat16"),
         # A GGUF file's weights dequantized at load, as before they stayed quantized (issue 26).
         Configuration(
@@ -372,16 +374,17 @@ def run_bench_accuracy(args: argparse.Namespace) -> int:
 
 def format_table(rows: list[Row], found: list[Verdict], text: Text, threads: int) -> str:
     count, width = text.windows.shape
+    name = max([30] + [len(r.config) for r in rows])
     lines = [
         f"{count} windows of {width} tokens ({count * (width - 1)} scored, the first {text.split} of each in one "
         f"prompt step, the rest decoded); {threads} threads; bf16 attention kernel: "
         f"{'AVX512-BF16' if cpu.has_fast_bf16() else 'portable'}; KL(float32 reference || config) in nats",
-        f"{'config':<30} {'PPL':>8} {'ΔPPL':>8} {'mean KL':>9} {'p99 KL':>9} {'top-1':>7} "
+        f"{'config':<{name}} {'PPL':>8} {'ΔPPL':>8} {'mean KL':>9} {'p99 KL':>9} {'top-1':>7} "
         f"{'KL prompt':>10} {'KL decode':>10} {'s':>6}",
     ]
     for r in rows:
         lines.append(
-            f"{r.config:<30} {r.perplexity:>8.3f} {r.delta_perplexity:>+8.3f} {r.mean_kl:>9.5f} {r.p99_kl:>9.5f} "
+            f"{r.config:<{name}} {r.perplexity:>8.3f} {r.delta_perplexity:>+8.3f} {r.mean_kl:>9.5f} {r.p99_kl:>9.5f} "
             f"{100 * r.top1_agreement:>6.2f}% {r.mean_kl_prompt:>10.5f} {r.mean_kl_decode:>10.5f} {r.seconds:>6.1f}"
         )
     for v in found:

@@ -18,6 +18,10 @@
  * was built. `gemm_bf16_lut_*` (Q4_0, Q4_1, Q4_K) serves the fewest rows: the 4-bit values go to bf16 through a
  * table, exactly, and each block's sum is scaled after.
  *
+ * `gemm_vnni_*` (AVX512-VNNI, bf16 rows) and `gemm_x16_*` (AVX2, float32 rows) read weights repacked at load by
+ * `pack_x16`, 16 rows side by side, and multiply them with integer dot products on activations quantized to
+ * int16 per block of 32.
+ *
  * `dequant_*` writes whole rows as float32 or bf16, for the many-row path (prefill, big batches), where
  * the caller multiplies them with torch's GEMM, and for embedding lookups.
  *
@@ -640,10 +644,7 @@ void unpack_x16(uint8_t *packed, int64_t n, int64_t blocks, int64_t bytes, const
             move_block(w + g * group_bytes, blocks, bytes, b, segments, count, packed + g * group_bytes + b * X16 * bytes, 0);
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
-#define VNNI_ROWS 4
-#define VNNI_CHUNK 64
-
+#if (defined(__AVX2__) && defined(__FMA__)) || (defined(__AVX512VNNI__) && defined(__AVX512BF16__))
 /* m rows of activations quantized per block of 32: int16 values in the order the kernels pair them (quad
  * t, values 4t..4t+3, as the words (0, 2) and (1, 3)), a float32 scale a block, and sums of the quantized
  * values: per block as they are (`qsum`) and scaled (`xsum`), and per half block (`qhalf`, Q6_K's
@@ -655,11 +656,30 @@ typedef struct {
     int64_t blocks;
 } Activations;
 
+static Activations allocate_activations(int64_t m, int64_t k) {
+    const size_t count = (size_t)(m * (k / QK));
+    Activations a = {(int16_t *)malloc((size_t)(m * k) * sizeof(int16_t)), (float *)malloc(count * sizeof(float)),
+                     (float *)malloc(count * sizeof(float)), (int32_t *)malloc(count * sizeof(int32_t)),
+                     (int32_t *)malloc(count * 2 * sizeof(int32_t)), k / QK};
+    return a;
+}
+
+static void release(Activations *a) {
+    free(a->q);
+    free(a->scale);
+    free(a->xsum);
+    free(a->qsum);
+    free(a->qhalf);
+}
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+#define VNNI_ROWS 4
+#define VNNI_CHUNK 64
+
 static Activations quantize_activations(const uint16_t *x, int64_t m, int64_t k) {
     const int64_t count = m * (k / QK);
-    Activations a = {(int16_t *)malloc((size_t)(m * k) * sizeof(int16_t)), (float *)malloc((size_t)count * sizeof(float)),
-                     (float *)malloc((size_t)count * sizeof(float)), (int32_t *)malloc((size_t)count * sizeof(int32_t)),
-                     (int32_t *)malloc((size_t)count * 2 * sizeof(int32_t)), k / QK};
+    Activations a = allocate_activations(m, k);
     for (int64_t i = 0; i < count; i++) {
         const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + i * QK))), 16));
         const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + i * QK + 16))), 16));
@@ -684,14 +704,6 @@ static Activations quantize_activations(const uint16_t *x, int64_t m, int64_t k)
         a.xsum[i] = d * (float)a.qsum[i];
     }
     return a;
-}
-
-static void release(Activations *a) {
-    free(a->q);
-    free(a->scale);
-    free(a->xsum);
-    free(a->qsum);
-    free(a->qhalf);
 }
 
 /* The words of a run's 4-bit (or 6-bit) values: lanes' values (0, 2) and (1, 3). */
@@ -873,4 +885,326 @@ DEFINE_GEMM_VNNI(q6_k, 210, 256)
 int has_vnni_gemm(void) { return 1; }
 #else
 int has_vnni_gemm(void) { return 0; }
+#endif
+
+
+/* ---- Q4_0, Q4_1 and Q8_0 repacked by pack_x16, on float32 rows quantized to int16 (AVX2) ------------- */
+
+/* The VNNI kernels' layout and activations, for AVX2's vpmaddwd: a run of the X16 rows (4 bytes each) is
+ * two 32-byte vectors of 8 rows; split into 16-bit words, each holds a pair of values of each of its rows,
+ * and against a pair of activations broadcast to every lane one vpmaddwd gives each row's two products
+ * summed in int32 (AVX2 has no accumulating form: a vpaddd follows). Twice the products of an FMA an
+ * instruction, and the weights need no expansion to floats: a product's integer sums are scaled once a
+ * block. Q8_0 runs hold signed bytes, sign-extended to words. */
+#if defined(__AVX2__) && defined(__FMA__)
+#define X16_TILE 3   /* activation rows per tile: 6 int32 sums and 6 float32 accumulators */
+#define X16_CHUNK 64 /* activation rows a thread takes through its groups at a time, staying in its L2 */
+/* From this many activation rows, a group's runs are first expanded to words, X16_KB blocks at a time, into a
+ * panel that every tile of rows reads: in the tiles themselves each expansion served X16_TILE rows only. */
+#define X16_PANEL_ROWS 4
+#define X16_KB 8
+
+/* Float32 rows quantized per block of 32 as quantize_activations does bf16 ones (amax / 32767, the values
+ * in quads ordered (0, 2, 1, 3)). */
+static Activations quantize_activations_f32(const float *x, int64_t m, int64_t k) {
+    Activations a = allocate_activations(m, k);
+    /* from a chunk of rows on, on every thread: a prefill's thousands of rows take a few percent of a product */
+    _Pragma("omp parallel for schedule(static) if (m >= X16_CHUNK)")
+    for (int64_t i = 0; i < m * a.blocks; i++) {
+        const float *src = x + i * QK;
+        const __m256 sign = _mm256_set1_ps(-0.f);
+        __m256 v[4], amax = _mm256_setzero_ps();
+        for (int t = 0; t < 4; t++) {
+            v[t] = _mm256_loadu_ps(src + 8 * t);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[t]));
+        }
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        const float top = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+        const __m256 inverse = _mm256_set1_ps(top > 0.f ? 32767.f / top : 0.f);
+        __m256i q[4];
+        int32_t half[2];
+        for (int t = 0; t < 4; t++) q[t] = _mm256_cvtps_epi32(_mm256_mul_ps(v[t], inverse));
+        for (int s = 0; s < 2; s++) {
+            const __m256i both = _mm256_add_epi32(q[2 * s], q[2 * s + 1]);
+            __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(both), _mm256_extracti128_si256(both, 1));
+            sum = _mm_hadd_epi32(sum, sum);
+            half[s] = _mm_cvtsi128_si32(_mm_hadd_epi32(sum, sum));
+            /* a 128-bit lane is one quad; packs interleaves the lanes of its two operands, the permute undoes it */
+            const __m256i first = _mm256_shuffle_epi32(q[2 * s], _MM_SHUFFLE(3, 1, 2, 0));
+            const __m256i second = _mm256_shuffle_epi32(q[2 * s + 1], _MM_SHUFFLE(3, 1, 2, 0));
+            _mm256_storeu_si256((__m256i *)(a.q + i * QK + 16 * s),
+                                _mm256_permute4x64_epi64(_mm256_packs_epi32(first, second), 0xD8));
+        }
+        a.scale[i] = top / 32767.f;
+        a.qhalf[2 * i] = half[0];
+        a.qhalf[2 * i + 1] = half[1];
+        a.qsum[i] = half[0] + half[1];
+        a.xsum[i] = a.scale[i] * (float)a.qsum[i];
+    }
+    return a;
+}
+
+/* sums[i][h] += the words of half h's rows (`even`, `odd`: values (0, 2) and (1, 3) of quad `quad`) times
+ * activation row i's quad. */
+static inline __attribute__((always_inline)) void x16_quad(__m256i even0, __m256i odd0, __m256i even1, __m256i odd1,
+                                                          const int32_t *const *pairs, int quad, int mt,
+                                                          __m256i sums[][2]) {
+#pragma GCC unroll 4
+    for (int i = 0; i < mt; i++) {
+        const __m256i e = _mm256_set1_epi32(pairs[i][2 * quad]), o = _mm256_set1_epi32(pairs[i][2 * quad + 1]);
+        sums[i][0] = _mm256_add_epi32(sums[i][0], _mm256_add_epi32(_mm256_madd_epi16(even0, e), _mm256_madd_epi16(odd0, o)));
+        sums[i][1] = _mm256_add_epi32(sums[i][1], _mm256_add_epi32(_mm256_madd_epi16(even1, e), _mm256_madd_epi16(odd1, o)));
+    }
+}
+
+static inline __m256i low_bytes(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi16(0x00FF)); }
+static inline __m256i high_bytes(__m256i v) { return _mm256_srli_epi16(v, 8); }
+static inline __m256i low_bytes_signed(__m256i v) { return _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8); }
+static inline __m256i high_bytes_signed(__m256i v) { return _mm256_srai_epi16(v, 8); }
+
+/* acc[i][h] += the block's integer sums scaled by its rows' scales `blk` (fp16, X16) and activation row i's,
+ * and its minimums (`least`, or none) times the activations' sums. */
+static inline __attribute__((always_inline)) void x16_scale(__m256i sums[][2], const uint8_t *blk, const uint8_t *least,
+                                                           const Activations *a, int64_t row, int64_t c, int mt,
+                                                           __m256 acc[][2]) {
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; h++) {
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h)));
+#pragma GCC unroll 4
+        for (int i = 0; i < mt; i++) {
+            const int64_t at = (row + i) * a->blocks + c;
+            acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[i][h]), _mm256_mul_ps(d, _mm256_set1_ps(a->scale[at])), acc[i][h]);
+            if (least != NULL)
+                acc[i][h] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(least + 16 * h))),
+                                            _mm256_set1_ps(a->xsum[at]), acc[i][h]);
+        }
+    }
+}
+
+/* Q4_0 (`has_min` 0) and Q4_1 blocks: X16 scales (and minimums), then four runs of nibbles: the low ones
+ * are quad t, the high ones quad t + 4. */
+static inline __attribute__((always_inline)) void x16_q4(const uint8_t *blk, int has_min, const Activations *a, int64_t row,
+                                                        int64_t c, int mt, __m256 acc[][2]) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    const uint8_t *runs = blk + X16 * (has_min ? 4 : 2);
+    __m256i sums[X16_TILE][2];
+    const int32_t *pairs[X16_TILE];
+#pragma GCC unroll 4
+    for (int i = 0; i < mt; i++) {
+        const int64_t at = (row + i) * a->blocks + c;
+        pairs[i] = (const int32_t *)(a->q + at * QK);
+        /* Q4_0's values are q - 8: the offset times the activations' sum starts the integer sum */
+        sums[i][0] = sums[i][1] = _mm256_set1_epi32(has_min ? 0 : -8 * a->qsum[at]);
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < 4; t++) {
+        const __m256i r0 = _mm256_loadu_si256((const __m256i *)(runs + 64 * t));
+        const __m256i r1 = _mm256_loadu_si256((const __m256i *)(runs + 64 * t + 32));
+        const __m256i lo0 = _mm256_and_si256(r0, nibble), lo1 = _mm256_and_si256(r1, nibble);
+        x16_quad(low_bytes(lo0), high_bytes(lo0), low_bytes(lo1), high_bytes(lo1), pairs, t, mt, sums);
+        const __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(r0, 4), nibble);
+        const __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(r1, 4), nibble);
+        x16_quad(low_bytes(hi0), high_bytes(hi0), low_bytes(hi1), high_bytes(hi1), pairs, t + 4, mt, sums);
+    }
+    x16_scale(sums, blk, has_min ? blk + 2 * X16 : NULL, a, row, c, mt, acc);
+}
+
+static inline __attribute__((always_inline)) void x16_q4_0(const uint8_t *blk, const Activations *a, int64_t row,
+                                                          int64_t c, int mt, __m256 acc[][2]) {
+    x16_q4(blk, 0, a, row, c, mt, acc);
+}
+
+static inline __attribute__((always_inline)) void x16_q4_1(const uint8_t *blk, const Activations *a, int64_t row,
+                                                          int64_t c, int mt, __m256 acc[][2]) {
+    x16_q4(blk, 1, a, row, c, mt, acc);
+}
+
+/* Q8_0 blocks: X16 scales, then eight runs of signed bytes, run t quad t. */
+static inline __attribute__((always_inline)) void x16_q8_0(const uint8_t *blk, const Activations *a, int64_t row,
+                                                          int64_t c, int mt, __m256 acc[][2]) {
+    const uint8_t *runs = blk + 2 * X16;
+    __m256i sums[X16_TILE][2];
+    const int32_t *pairs[X16_TILE];
+#pragma GCC unroll 4
+    for (int i = 0; i < mt; i++) {
+        pairs[i] = (const int32_t *)(a->q + ((row + i) * a->blocks + c) * QK);
+        sums[i][0] = sums[i][1] = _mm256_setzero_si256();
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; t++) {
+        const __m256i r0 = _mm256_loadu_si256((const __m256i *)(runs + 64 * t));
+        const __m256i r1 = _mm256_loadu_si256((const __m256i *)(runs + 64 * t + 32));
+        x16_quad(low_bytes_signed(r0), high_bytes_signed(r0), low_bytes_signed(r1), high_bytes_signed(r1), pairs, t,
+                 mt, sums);
+    }
+    x16_scale(sums, blk, NULL, a, row, c, mt, acc);
+}
+
+/* A packed block expanded for the panel: pair p of its values is panel[2p + h] for half h (the activations'
+ * pair p: quad p / 2, words (0, 2) or (1, 3)), with its rows' scales and minimums (Q4_1; others none) as
+ * floats. Q4_0's values are q - 8 as words. */
+typedef struct {
+    __m256i words[QK];
+    float d[X16] __attribute__((aligned(32)));
+    float least[X16] __attribute__((aligned(32)));
+} PanelBlock;
+
+static inline void panel_quad(PanelBlock *out, int quad, __m256i v0, __m256i v1, int is_signed) {
+    out->words[4 * quad] = is_signed ? low_bytes_signed(v0) : low_bytes(v0);
+    out->words[4 * quad + 1] = is_signed ? low_bytes_signed(v1) : low_bytes(v1);
+    out->words[4 * quad + 2] = is_signed ? high_bytes_signed(v0) : high_bytes(v0);
+    out->words[4 * quad + 3] = is_signed ? high_bytes_signed(v1) : high_bytes(v1);
+}
+
+static inline void panel_scales(PanelBlock *out, const uint8_t *blk, const uint8_t *least) {
+    for (int h = 0; h < 2; h++) {
+        _mm256_store_ps(out->d + 8 * h, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h))));
+        _mm256_store_ps(out->least + 8 * h,
+                        least == NULL ? _mm256_setzero_ps() : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(least + 16 * h))));
+    }
+}
+
+static inline void panel_q4(const uint8_t *blk, int has_min, PanelBlock *out) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(8);
+    const uint8_t *runs = blk + X16 * (has_min ? 4 : 2);
+    for (int t = 0; t < 4; t++) {
+        const __m256i r0 = _mm256_loadu_si256((const __m256i *)(runs + 64 * t));
+        const __m256i r1 = _mm256_loadu_si256((const __m256i *)(runs + 64 * t + 32));
+        __m256i lo0 = _mm256_and_si256(r0, nibble), lo1 = _mm256_and_si256(r1, nibble);
+        __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(r0, 4), nibble);
+        __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(r1, 4), nibble);
+        if (!has_min) {
+            lo0 = _mm256_sub_epi8(lo0, eight);
+            lo1 = _mm256_sub_epi8(lo1, eight);
+            hi0 = _mm256_sub_epi8(hi0, eight);
+            hi1 = _mm256_sub_epi8(hi1, eight);
+        }
+        panel_quad(out, t, lo0, lo1, !has_min);
+        panel_quad(out, t + 4, hi0, hi1, !has_min);
+    }
+    panel_scales(out, blk, has_min ? blk + 2 * X16 : NULL);
+}
+
+static inline void panel_q4_0(const uint8_t *blk, PanelBlock *out) { panel_q4(blk, 0, out); }
+static inline void panel_q4_1(const uint8_t *blk, PanelBlock *out) { panel_q4(blk, 1, out); }
+
+static inline void panel_q8_0(const uint8_t *blk, PanelBlock *out) {
+    for (int t = 0; t < 8; t++)
+        panel_quad(out, t, _mm256_loadu_si256((const __m256i *)(blk + 2 * X16 + 64 * t)),
+                   _mm256_loadu_si256((const __m256i *)(blk + 2 * X16 + 64 * t + 32)), 1);
+    panel_scales(out, blk, NULL);
+}
+
+/* y[i * n + j] (+)= activation rows row.. row + mt - 1 against the panel's `count` blocks from block c. */
+static inline __attribute__((always_inline)) void panel_x16_tile(const PanelBlock *panel, int64_t count,
+                                                                const Activations *a, int64_t row, int64_t c,
+                                                                int mt, int first, float *y, int64_t n) {
+    __m256 acc[X16_TILE][2];
+#pragma GCC unroll 4
+    for (int i = 0; i < mt; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < count; b++) {
+        const PanelBlock *blk = panel + b;
+        __m256i sums[X16_TILE][2];
+        const int32_t *pairs[X16_TILE];
+#pragma GCC unroll 4
+        for (int i = 0; i < mt; i++) {
+            pairs[i] = (const int32_t *)(a->q + ((row + i) * a->blocks + c + b) * QK);
+            sums[i][0] = sums[i][1] = _mm256_setzero_si256();
+        }
+#pragma GCC unroll 2
+        for (int p = 0; p < QK / 2; p++) {
+            const __m256i w0 = _mm256_load_si256(blk->words + 2 * p), w1 = _mm256_load_si256(blk->words + 2 * p + 1);
+#pragma GCC unroll 4
+            for (int i = 0; i < mt; i++) {
+                const __m256i xv = _mm256_set1_epi32(pairs[i][p]);
+                sums[i][0] = _mm256_add_epi32(sums[i][0], _mm256_madd_epi16(w0, xv));
+                sums[i][1] = _mm256_add_epi32(sums[i][1], _mm256_madd_epi16(w1, xv));
+            }
+        }
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            const __m256 d = _mm256_load_ps(blk->d + 8 * h), least = _mm256_load_ps(blk->least + 8 * h);
+#pragma GCC unroll 4
+            for (int i = 0; i < mt; i++) {
+                const int64_t at = (row + i) * a->blocks + c + b;
+                acc[i][h] = _mm256_fmadd_ps(least, _mm256_set1_ps(a->xsum[at]), acc[i][h]);
+                acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[i][h]), _mm256_mul_ps(d, _mm256_set1_ps(a->scale[at])), acc[i][h]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < mt; i++)
+        for (int h = 0; h < 2; h++) {
+            float *out = y + i * n + 8 * h;
+            _mm256_storeu_ps(out, first ? acc[i][h] : _mm256_add_ps(_mm256_loadu_ps(out), acc[i][h]));
+        }
+}
+
+/* y = x @ W.T for float32 x `[m, k]` and W packed by pack_x16 (n a multiple of X16), as gemm_vnni_* does it:
+ * each thread takes a share of the groups and goes through the activation rows a chunk at a time; from
+ * X16_PANEL_ROWS rows on through panels. */
+#define DEFINE_GEMM_X16(TYPE, BYTES)                                                                        \
+    static void x16_##TYPE##_group(const uint8_t *group, int64_t blocks, const Activations *a, int64_t row,   \
+                                   int mt, float *y, int64_t n) {                                            \
+        __m256 acc[X16_TILE][2];                                                                             \
+        for (int i = 0; i < X16_TILE; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();                      \
+        for (int64_t b = 0; b < blocks; b++) {                                                               \
+            /* a constant row count at each call, so that the sums stay in registers */                     \
+            const uint8_t *blk = group + b * X16 * (BYTES);                                                  \
+            switch (mt) {                                                                                    \
+            case 1: x16_##TYPE(blk, a, row, b, 1, acc); break;                                               \
+            case 2: x16_##TYPE(blk, a, row, b, 2, acc); break;                                               \
+            default: x16_##TYPE(blk, a, row, b, X16_TILE, acc);                                              \
+            }                                                                                                \
+        }                                                                                                    \
+        for (int i = 0; i < mt; i++) {                                                                       \
+            _mm256_storeu_ps(y + i * n, acc[i][0]);                                                          \
+            _mm256_storeu_ps(y + i * n + 8, acc[i][1]);                                                      \
+        }                                                                                                    \
+    }                                                                                                        \
+                                                                                                             \
+    void gemm_x16_##TYPE(const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, float *y) {     \
+        const int64_t blocks = k / QK, group_bytes = blocks * X16 * (BYTES);                                 \
+        Activations a = quantize_activations_f32(x, m, k);                                                   \
+        _Pragma("omp parallel")                                                                              \
+        {                                                                                                    \
+            const int64_t groups = n / X16, threads = omp_get_num_threads(), id = omp_get_thread_num();      \
+            const int64_t first = groups * id / threads, last = groups * (id + 1) / threads;                 \
+            PanelBlock panel[X16_KB];                                                                        \
+            for (int64_t chunk = 0; chunk < m; chunk += X16_CHUNK) {                                         \
+                const int64_t end = m < chunk + X16_CHUNK ? m : chunk + X16_CHUNK;                           \
+                for (int64_t g = first; g < last; g++) {                                                     \
+                    const uint8_t *group = w + g * group_bytes;                                              \
+                    if (m < X16_PANEL_ROWS) {                                                                \
+                        for (int64_t i = chunk; i < end; i += X16_TILE)                                      \
+                            x16_##TYPE##_group(group, blocks, &a, i, end - i < X16_TILE ? (int)(end - i) : X16_TILE, \
+                                               y + i * n + g * X16, n);                                      \
+                        continue;                                                                            \
+                    }                                                                                        \
+                    for (int64_t c = 0; c < blocks; c += X16_KB) {                                           \
+                        const int64_t count = blocks - c < X16_KB ? blocks - c : X16_KB;                     \
+                        for (int64_t b = 0; b < count; b++) panel_##TYPE(group + (c + b) * X16 * (BYTES), &panel[b]); \
+                        int64_t i = chunk;                                                                   \
+                        for (; i + X16_TILE <= end; i += X16_TILE)                                           \
+                            panel_x16_tile(panel, count, &a, i, c, X16_TILE, c == 0, y + i * n + g * X16, n); \
+                        switch (end - i) {                                                                   \
+                        case 2: panel_x16_tile(panel, count, &a, i, c, 2, c == 0, y + i * n + g * X16, n); break; \
+                        case 1: panel_x16_tile(panel, count, &a, i, c, 1, c == 0, y + i * n + g * X16, n); break; \
+                        default: break;                                                                      \
+                        }                                                                                    \
+                    }                                                                                        \
+                }                                                                                            \
+            }                                                                                                \
+        }                                                                                                    \
+        release(&a);                                                                                         \
+    }
+
+DEFINE_GEMM_X16(q4_0, 18)
+DEFINE_GEMM_X16(q4_1, 20)
+DEFINE_GEMM_X16(q8_0, 34)
+
+int has_x16_gemm(void) { return 1; }
+#else
+int has_x16_gemm(void) { return 0; }
 #endif

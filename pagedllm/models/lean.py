@@ -122,6 +122,7 @@ class LeanLayers:
     layers: ctypes.Array
     part_width: int  # see `_part_width`
     run_layers: ctypes._CFuncPtr
+    rows: int  # most rows every projection's kernel takes (`quantized.direct_rows`)
 
     @classmethod
     def of(cls, model: CausalLM, dtype: torch.dtype) -> LeanLayers | None:
@@ -135,7 +136,9 @@ class LeanLayers:
             return None
         table = (_Layer * len(layers))(*layers)
         models = {cache: _model(model, len(layers), dtype, cache) for cache in (dtype, torch.int8)}
-        return cls(dtype, models, table, _part_width(table), libs[0].decoder_layers)
+        parts = [part for layer in model.layers for linear in _projections(layer) for part in linear.parts]
+        rows = min(quantized.direct_rows(part, dtype) for part in parts)
+        return cls(dtype, models, table, _part_width(table), libs[0].decoder_layers, rows)
 
     def takes(self, residual: torch.Tensor, rope: Rope, ctx: StepContext) -> bool:
         """Whether this step runs here: the Python layers would run exactly these kernels."""
@@ -147,7 +150,7 @@ class LeanLayers:
             and residual.dtype == self.dtype
             and residual.device.type == "cpu"
             and residual.is_contiguous()
-            and residual.shape[0] <= quantized.direct_rows(self.dtype)
+            and residual.shape[0] <= self.rows
             and ctx.lora is None
             and ctx.attention is CPU_BACKEND
             and cpu.takes_shape(self.dtype, model.heads, model.head_dim, k_cache, v_cache)
@@ -224,6 +227,11 @@ def _model(model: CausalLM, num_layers: int, dtype: torch.dtype, cache_dtype: to
     )
 
 
+def _projections(layer: torch.nn.Module) -> tuple[QuantizedLinear, ...]:
+    attention, mlp = layer.self_attn, layer.mlp
+    return attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj
+
+
 def _layer(layer: torch.nn.Module, dtype: torch.dtype) -> _Layer | None:
     """One decoder layer for the C loop, or None where it needs the Python one."""
     attention, mlp = layer.self_attn, layer.mlp
@@ -234,7 +242,7 @@ def _layer(layer: torch.nn.Module, dtype: torch.dtype) -> _Layer | None:
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     if any(n.offset or n.weight.dtype != dtype or not n.weight.is_contiguous() for n in norms):
         return None
-    matrices = [_matrix(m, dtype) for m in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    matrices = [_matrix(m, dtype) for m in _projections(layer)]
     if any(m is None for m in matrices):
         return None
     return _Layer(

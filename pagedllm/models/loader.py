@@ -27,7 +27,7 @@ from pagedllm.models.quantized import (
     QuantizedEmbedding,
     QuantizedLinear,
     QuantizedWeight,
-    has_integer_kernel,
+    packs_kind,
 )
 from pagedllm.models.tensor_parallel import shard_model
 
@@ -79,12 +79,14 @@ def load_model(
     shard: Shard | None = None,
     dequantize: bool | None = None,
     quantization: str | None = None,
+    int16_activations: bool | None = None,
 ) -> LoadedModel:
     """The model in `dtype` on `device`; with a `shard` of a tensor-parallel group, that rank's slices.
     A GGUF file's quantized linear layers and embedding stay quantized (`quantized.py`) unless `dequantize`,
     or where the quantized kernels cannot go: another device, tensor parallelism; with `dequantize` None the
     layers may hold a dequantized copy beside (`holds_dense`). `quantization` ("int8",
-    "int4") quantizes the rest of them once, here."""
+    "int4") quantizes the rest of them once, here. Unless `int16_activations` is False, their products
+    quantize the activations to int16 where an integer kernel takes them (`quantized.packs`)."""
     world_size = 1 if shard is None else shard.world_size
     quantized_path = runs_quantized(device, world_size)
     folder = resolve_model_folder(model, lean=reads_lean_folder(device, world_size, dequantize))
@@ -96,7 +98,9 @@ def load_model(
     # Parameters start as uninitialised (untouched) memory; the checkpoint's tensors replace them.
     net = CausalLM(config)
     held = _held_quantized(model, folder, net, dequantize, quantization) if quantized_path else {}
-    _quantize_modules(net, held, dtype, holds_dense(model, dtype, device, world_size, dequantize))
+    integer = int16_activations is not False
+    dense = holds_dense(model, dtype, device, world_size, dequantize, integer)
+    _quantize_modules(net, held, dtype, dense, integer)
     net.load_state_dict(read_state_dict(folder, net, dtype, held), assign=True)
     if config.tie_word_embeddings and isinstance(net.embed_tokens, Embedding):
         net.lm_head.weight = net.embed_tokens.weight
@@ -116,20 +120,28 @@ def runs_quantized(device: str, world_size: int) -> bool:
 
 
 def holds_dense(
-    model: str | Path | None, dtype: torch.dtype, device: str, world_size: int, dequantize: bool | None
+    model: str | Path | None,
+    dtype: torch.dtype,
+    device: str,
+    world_size: int,
+    dequantize: bool | None,
+    integer: bool = True,
 ) -> bool:
     """Whether a GGUF file's quantized matrices also get a dequantized, prepacked copy in `dtype` (auto only,
-    `dequantize` None): where no integer kernel takes `dtype` on this CPU, so that every product of more than
-    a few rows is faster on the copy (`QuantizedLinear.hold_dense`), unless the copies would take more than
-    `DEQUANTIZED_SHARE` of the memory available."""
+    `dequantize` None), where no integer kernel takes them packed (with `integer`): so that every product of
+    more than a few rows is faster on the copy (`QuantizedLinear.hold_dense`), unless the copies would take
+    more than `DEQUANTIZED_SHARE` of the memory available."""
     source = _gguf_source(model)
     if dequantize is not None or source is None or not runs_quantized(device, world_size):
         return False
-    if has_integer_kernel(dtype) or not can_prepack(torch.empty(0, dtype=dtype)):
+    if not can_prepack(torch.empty(0, dtype=dtype)):
         return False
     from pagedllm.models.gguf import GGUFFile
 
-    elements = sum(math.prod(info.shape) for info in GGUFFile(source).tensors.values())
+    infos = GGUFFile(source).tensors.values()
+    elements = sum(math.prod(i.shape) for i in infos if not (integer and packs_kind(i.ggml_type, dtype)))
+    if elements == 0:
+        return False
     needed = elements * torch.empty((), dtype=dtype).element_size()
     fits = needed <= DEQUANTIZED_SHARE * available_memory()
     if not fits:
@@ -200,11 +212,11 @@ def _gguf_source(model: str | Path | None) -> Path | None:
 
 
 def _quantize_modules(
-    net: CausalLM, weights: Mapping[str, QuantizedWeight], dtype: torch.dtype, dense: bool = False
+    net: CausalLM, weights: Mapping[str, QuantizedWeight], dtype: torch.dtype, dense: bool, integer: bool
 ) -> None:
     """Each linear layer whose every checkpoint part is in `weights`, and the embedding if it is, become their
-    quantized forms (with a dequantized copy of each layer's weight if `dense`); their weights are then not
-    read from the dequantized folder."""
+    quantized forms (with a dequantized copy of each layer's weight if `dense`; with `integer`, multiplied by
+    the integer kernels where they take `dtype`); their weights are then not read from the dequantized folder."""
     embedding: QuantizedWeight | PackedWeight | None = weights.get("model.embed_tokens.weight")
     for name, module in list(net.named_modules()):
         if not isinstance(module, Linear):
@@ -215,8 +227,8 @@ def _quantize_modules(
         else:
             parts = [weights.get(key) for key in _checkpoint_keys(weights, f"{name}.weight")]
         if parts and all(part is not None for part in parts):
-            layer = QuantizedLinear(parts, bias=module.bias is not None, pack_parts=dtype == torch.bfloat16)
-            if dense:
+            layer = QuantizedLinear(parts, bias=module.bias is not None, pack_for=dtype if integer else None)
+            if dense and not all(isinstance(part, PackedWeight) for part in layer.parts):
                 layer.hold_dense(dtype)
             net.set_submodule(name, layer)
             if tied:  # packed in place, if at all: the embedding's lookups read the head's rows

@@ -90,19 +90,31 @@ def _q6_k_runs() -> list[tuple[int, int]]:
     ]
 
 
-# The types a bf16 model's matrices are repacked in at load, 16 rows side by side, where the CPU has
-# AVX512-VNNI: each block as segments (offset, size) that `pack_x16` gathers across the 16 rows (the fp16
-# scales first, so one load reads all 16; the values in runs of 4 bytes). quant_ops.c says what each
-# kernel reads where.
+# The types a model's matrices can be repacked in at load, 16 rows side by side: each block as segments
+# (offset, size) that `pack_x16` gathers across the 16 rows (the fp16 scales first, so one load reads all 16;
+# the values in runs of 4 bytes). quant_ops.c says what each kernel reads where.
 _PACKED_SEGMENTS = {
     GGMLQuantizationType.Q4_0: [(0, 2), *_runs(2, 4)],
     GGMLQuantizationType.Q4_1: [(0, 2), (2, 2), *_runs(4, 4)],
+    GGMLQuantizationType.Q8_0: [(0, 2), *_runs(2, 8)],
     GGMLQuantizationType.Q4_K: [(0, 2), (2, 2), *((4 + j, 1) for j in range(12)), *_runs(16, 32)],
     GGMLQuantizationType.Q6_K: [(208, 2), *((192 + s, 1) for s in range(16)), *_q6_k_runs()],
 }
-# bf16 activations meet a packed weight in integer dot products (`gemm_vnni_*`) at every row count: from
-# one row (bandwidth) to a prefill's thousands it measured faster than the dequantized tiles into torch's
-# bf16 GEMM (docs/PERFORMANCE.md); float32 activations take the tiles.
+# The packed types each dtype's integer kernel takes: bf16's on AVX512-VNNI (`gemm_vnni_*`), float32's on AVX2
+# (`gemm_x16_*`). Both quantize the activations to int16 per block of 32, which `int16_activations=False`
+# declines.
+_PACKED_KINDS = {
+    torch.bfloat16: {
+        GGMLQuantizationType.Q4_0,
+        GGMLQuantizationType.Q4_1,
+        GGMLQuantizationType.Q4_K,
+        GGMLQuantizationType.Q6_K,
+    },
+    torch.float32: {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0},
+}
+# Activations meet a packed weight in integer dot products at every row count: from one row (bandwidth) to a
+# prefill's thousands they measured faster than the dequantized tiles into torch's GEMM, bf16 on AVX512-VNNI and
+# float32 on AVX2 (docs/PERFORMANCE.md).
 PACK_ROWS = 16
 _PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -126,8 +138,11 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     names += [(f"dequant_{s}_{t}", dequant) for s in _KERNELS.values() for t in _SUFFIXES.values()]
     names += [(name, [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR]) for name in ("pack_x16", "unpack_x16")]
     lib.has_vnni_gemm.restype = ctypes.c_int
+    lib.has_x16_gemm.restype = ctypes.c_int
     if lib.has_vnni_gemm():
-        names += [(f"gemm_vnni_{_KERNELS[kind]}", gemm) for kind in _PACKED_SEGMENTS]
+        names += [(f"gemm_vnni_{_KERNELS[kind]}", gemm) for kind in _PACKED_KINDS[torch.bfloat16]]
+    if lib.has_x16_gemm():
+        names += [(f"gemm_x16_{_KERNELS[kind]}", gemm) for kind in _PACKED_KINDS[torch.float32]]
     if lib.has_bf16_gemm():
         names += [(f"gemm_bf16_{s}", gemm) for s in _KERNELS.values()]
         names += [(f"gemm_bf16_lut_{_KERNELS[kind]}", gemm) for kind in _LUT_KINDS]
@@ -225,23 +240,26 @@ def _unpack(kind: GGMLQuantizationType, packed: torch.Tensor, in_features: int) 
 
 
 def has_integer_kernel(dtype: torch.dtype) -> bool:
-    """Whether activations of `dtype` meet quantized weights in integer dot products here (bf16 on a CPU with
-    AVX512-VNNI). Elsewhere every product expands the weights to floats first: above a few rows, slower than
-    the dequantized model's prepacked GEMM (`docs/PERFORMANCE.md`)."""
+    """Whether activations of `dtype` meet packed quantized weights in integer dot products here (bf16 on a CPU
+    with AVX512-VNNI, float32 with AVX2). Elsewhere every product expands the weights to floats first: above a
+    few rows, slower than the dequantized model's prepacked GEMM (`docs/PERFORMANCE.md`)."""
     lib = library()
-    return dtype == torch.bfloat16 and lib is not None and bool(lib.has_vnni_gemm())
+    if lib is None:
+        return False
+    if dtype == torch.bfloat16:
+        return bool(lib.has_vnni_gemm())
+    return dtype == torch.float32 and bool(lib.has_x16_gemm())
 
 
-def packs(weight: QuantizedWeight) -> bool:
-    """Whether `weight` can be repacked for the integer kernel here: a type it has, whole groups of
-    rows, on a CPU with AVX512-VNNI."""
-    lib = library()
-    return (
-        weight.kind in _PACKED_SEGMENTS
-        and weight.out_features % PACK_ROWS == 0
-        and lib is not None
-        and bool(lib.has_vnni_gemm())
-    )
+def packs_kind(kind: GGMLQuantizationType, dtype: torch.dtype) -> bool:
+    """Whether weights of `kind` are repacked for `dtype`'s integer kernel here (a type it has, on a CPU that
+    has the kernel), where their rows make whole groups."""
+    return kind in _PACKED_KINDS.get(dtype, ()) and has_integer_kernel(dtype)
+
+
+def packs(weight: QuantizedWeight, dtype: torch.dtype) -> bool:
+    """Whether `weight` can be repacked for `dtype`'s integer kernel here."""
+    return weight.out_features % PACK_ROWS == 0 and packs_kind(weight.kind, dtype)
 
 
 def pack(weight: QuantizedWeight) -> PackedWeight:
@@ -267,21 +285,25 @@ def concatenate(parts: list[QuantizedWeight]) -> QuantizedWeight:
 
 
 def direct_kernel(weight: QuantizedWeight | PackedWeight, dtype: torch.dtype) -> ctypes._CFuncPtr | None:
-    """The C kernel that multiplies up to `direct_rows(dtype)` rows of `dtype` by `weight` in one call, reading
+    """The C kernel that multiplies up to `direct_rows(weight, dtype)` rows of `dtype` by `weight` in one call, reading
     the rows and writing `[rows, out_features]` in `dtype` (`kernel(x, rows, in_features, blocks, out_features,
-    y)`): the blocks' float32 kernel, or bf16's integer kernel on packed weights. None where `matmul` does more
+    y)`): the blocks' float32 kernel, or the dtype's integer kernel on packed weights. None where `matmul` does more
     around its kernel (widens, rounds, tiles)."""
     lib = library()
     if lib is None or weight.kind not in _KERNELS:
         return None
     if isinstance(weight, PackedWeight):
-        return getattr(lib, f"gemm_vnni_{_KERNELS[weight.kind]}") if dtype == torch.bfloat16 else None
+        if not packs_kind(weight.kind, dtype):
+            return None
+        prefix = "gemm_vnni" if dtype == torch.bfloat16 else "gemm_x16"
+        return getattr(lib, f"{prefix}_{_KERNELS[weight.kind]}")
     return getattr(lib, f"gemm_{_KERNELS[weight.kind]}") if dtype == torch.float32 else None
 
 
-def direct_rows(dtype: torch.dtype) -> int:
-    """Most rows of `dtype` a `direct_kernel` takes (float32: `FEW_ROWS`, also in a layer with a dense copy)."""
-    return few_rows(dtype) if dtype == torch.float32 else sys.maxsize
+def direct_rows(weight: QuantizedWeight | PackedWeight, dtype: torch.dtype) -> int:
+    """Most rows of `dtype` `direct_kernel(weight, dtype)` takes: any number on a packed weight, `FEW_ROWS`
+    float32 rows on the blocks as stored (also in a layer with a dense copy)."""
+    return FEW_ROWS if dtype == torch.float32 and not isinstance(weight, PackedWeight) else sys.maxsize
 
 
 def matmul(x: torch.Tensor, weight: QuantizedWeight | PackedWeight) -> torch.Tensor:
@@ -290,7 +312,7 @@ def matmul(x: torch.Tensor, weight: QuantizedWeight | PackedWeight) -> torch.Ten
     if x.shape[0] == 0:
         return x.new_empty((0, weight.out_features))
     kernel = direct_kernel(weight, x.dtype)
-    if kernel is not None and x.shape[0] <= direct_rows(x.dtype):
+    if kernel is not None and x.shape[0] <= direct_rows(weight, x.dtype):
         x, rows = x.contiguous(), x.shape[0]
         out = torch.empty(rows, weight.out_features, dtype=x.dtype)
         kernel(x.data_ptr(), rows, weight.in_features, weight.data.data_ptr(), weight.out_features, out.data_ptr())
@@ -343,13 +365,13 @@ class QuantizedLinear(nn.Module):
     """A linear layer whose weight is one or more `QuantizedWeight`s stacked by output rows (a fused
     q/k/v whose parts a GGUF file quantized differently stays in parts). The blocks are plain attributes,
     not parameters: the state dict read from a checkpoint is the rest of the model's. A bias, where the
-    layer has one, stays a parameter and loads like any other. With `pack_parts` (a bf16 model's layers),
-    parts the integer kernel takes are repacked for it (`packs`)."""
+    layer has one, stays a parameter and loads like any other. With `pack_for` (the model's dtype, unless its
+    integer kernels are declined), parts that dtype's integer kernel takes are repacked for it (`packs`)."""
 
-    def __init__(self, parts: list[QuantizedWeight], bias: bool, pack_parts: bool = False) -> None:
+    def __init__(self, parts: list[QuantizedWeight], bias: bool, pack_for: torch.dtype | None = None) -> None:
         super().__init__()
         merged = _merge_alike(parts)
-        self.parts = [pack(p) if pack_parts and packs(p) else p for p in merged]
+        self.parts = [pack(p) if pack_for is not None and packs(p, pack_for) else p for p in merged]
         self.in_features = parts[0].in_features
         self.out_features = sum(p.out_features for p in parts)
         self.bias = nn.Parameter(torch.empty(self.out_features), requires_grad=False) if bias else None
