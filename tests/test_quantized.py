@@ -351,24 +351,32 @@ def test_packing_moves_the_bytes_in_place_and_unpacks_to_them(kind: Q) -> None:
     assert (matmul(x, packed).double() - x.double() @ exact.T).abs().max().item() < bound
 
 
+def _packed_product(
+    kind: Q, rows: int, in_features: int, out_features: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A random weight packed for `dtype`'s integer kernel times random rows: the output, the exact product, the
+    bound of the activations' int16 quantization (each off by at most half its block's step, amax / 32767: int8
+    steps are 258 times coarser) and the product of the magnitudes, all float64."""
+    weight, exact = _weight(kind, out_features, in_features, seed=seed)
+    assert quantized.packs(weight, dtype)
+    packed = quantized.pack(weight)
+    x = torch.randn(rows, in_features).to(dtype)
+    x[0, 40] = 30.0  # an outlier sets its block's scale: the others keep 15 bits
+    out = matmul(x, packed)
+    assert out.dtype == dtype and out.shape == (rows, out_features)
+    step = x.double().abs().reshape(rows, -1, 32).amax(-1) / 32767
+    quantization = (step / 2) @ exact.abs().reshape(out_features, -1, 32).sum(-1).T
+    return out.double(), x.double() @ exact.T, quantization, x.double().abs() @ exact.abs().T
+
+
 @pytest.mark.skipif(not HAS_VNNI, reason="no AVX512-VNNI here: weights are never packed, the kernel is not built")
 @pytest.mark.parametrize("kind", PACKED_KINDS, ids=lambda k: k.name)
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 37])
 def test_the_integer_product_is_within_the_outputs_bf16_rounding(kind: Q, rows: int) -> None:
-    weight, exact = _weight(kind, 64, 512, seed=5)
-    assert quantized.packs(weight)
-    packed = quantized.pack(weight)
-    x = torch.randn(rows, 512).to(torch.bfloat16)
-    x[0, 40] = 30.0  # an outlier sets its block's scale: the others keep 15 bits
-    out = matmul(x, packed)
-    assert out.dtype == torch.bfloat16 and out.shape == (rows, 64)
-    expected = x.double() @ exact.T
-    # Each activation is off by at most half its block's step (amax / 32767): int8 steps are 258 times
-    # coarser. Then the output's bf16 rounding, up to 2^-8 of it.
-    step = x.double().abs().reshape(rows, -1, 32).amax(-1) / 32767
-    quantization = (step / 2) @ exact.abs().reshape(64, -1, 32).sum(-1).T
+    out, expected, quantization, _ = _packed_product(kind, rows, 512, 64, torch.bfloat16, seed=5)
+    # Then the output's bf16 rounding, up to 2^-8 of it.
     bound = 1.01 * quantization + 2**-8 * (expected.abs() + quantization) + 1e-6
-    assert ((out.double() - expected).abs() <= bound).all()
+    assert ((out - expected).abs() <= bound).all()
 
 
 def test_the_float32_integer_kernel_is_built_where_the_cpu_has_avx2() -> None:
@@ -382,20 +390,10 @@ def test_the_float32_integer_kernel_is_built_where_the_cpu_has_avx2() -> None:
 def test_the_float32_integer_product_is_within_the_activations_quantization(kind: Q, rows: int) -> None:
     """Up to 3 rows in register tiles, from 4 through panels (70: two chunks of 64 rows, tiles of 3 with 1 and 2
     left over); 288 inputs, 9 blocks: a panel of 8 and one of 1."""
-    weight, exact = _weight(kind, 48, 288, seed=6)
-    assert quantized.packs(weight, torch.float32)
-    packed = quantized.pack(weight)
-    x = torch.randn(rows, 288)
-    x[0, 40] = 30.0  # an outlier sets its block's scale: the others keep 15 bits
-    out = matmul(x, packed)
-    assert out.dtype == torch.float32 and out.shape == (rows, 48)
-    expected = x.double() @ exact.T
-    # Each activation is off by at most half its block's step (amax / 32767); float32 sums and scales after.
-    step = x.double().abs().reshape(rows, -1, 32).amax(-1) / 32767
-    quantization = (step / 2) @ exact.abs().reshape(48, -1, 32).sum(-1).T
-    bound = 1.01 * quantization + 1e-5 * (x.double().abs() @ exact.abs().T)
-    assert ((out.double() - expected).abs() <= bound).all()
-    assert (out.double() - expected).abs().max() > 0  # quantized: not the float product
+    out, expected, quantization, magnitude = _packed_product(kind, rows, 288, 48, torch.float32, seed=6)
+    # Then float32 sums and scales.
+    assert ((out - expected).abs() <= 1.01 * quantization + 1e-5 * magnitude).all()
+    assert (out - expected).abs().max() > 0  # quantized: not the float product
 
 
 @pytest.mark.skipif(not HAS_X16, reason="no AVX2 here: float32 weights are never packed")

@@ -27,6 +27,7 @@ from pagedllm.models.quantized import (
     QuantizedEmbedding,
     QuantizedLinear,
     QuantizedWeight,
+    has_integer_kernel,
     packs_kind,
 )
 from pagedllm.models.tensor_parallel import shard_model
@@ -136,12 +137,12 @@ def holds_dense(
         return False
     if not can_prepack(torch.empty(0, dtype=dtype)):
         return False
+    if integer and dtype == torch.bfloat16 and has_integer_kernel(dtype):
+        return False  # with AVX512-VNNI no bf16 layer holds a copy: the types it does not pack take the tiles
     from pagedllm.models.gguf import GGUFFile
 
     infos = GGUFFile(source).tensors.values()
     elements = sum(math.prod(i.shape) for i in infos if not (integer and packs_kind(i.ggml_type, dtype)))
-    if elements == 0:
-        return False
     needed = elements * torch.empty((), dtype=dtype).element_size()
     fits = needed <= DEQUANTIZED_SHARE * available_memory()
     if not fits:
