@@ -963,23 +963,33 @@ static inline __m256i high_bytes(__m256i v) { return _mm256_srli_epi16(v, 8); }
 static inline __m256i low_bytes_signed(__m256i v) { return _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8); }
 static inline __m256i high_bytes_signed(__m256i v) { return _mm256_srai_epi16(v, 8); }
 
-/* acc[i][h] += the block's integer sums scaled by its rows' scales `blk` (fp16, X16) and activation row i's,
- * and its minimums (`least`, or none) times the activations' sums. */
-static inline __attribute__((always_inline)) void x16_scale(__m256i sums[][2], const uint8_t *blk, const uint8_t *least,
-                                                           const Activations *a, int64_t row, int64_t c, int mt,
-                                                           __m256 acc[][2]) {
+/* acc[i][h] += activation row i's block c: its rows' minimums `least[h]` (when `has_min`) times the activations'
+ * sum, then its integer sums scaled by the rows' scales `d[h]` and the activations' scale. One epilogue for the
+ * blocks read from their runs and from a panel. */
+static inline __attribute__((always_inline)) void x16_epilogue(__m256i sums[][2], const __m256 d[2], const __m256 least[2],
+                                                              int has_min, const Activations *a, int64_t row, int64_t c,
+                                                              int mt, __m256 acc[][2]) {
 #pragma GCC unroll 2
     for (int h = 0; h < 2; h++) {
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h)));
 #pragma GCC unroll 4
         for (int i = 0; i < mt; i++) {
             const int64_t at = (row + i) * a->blocks + c;
-            acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[i][h]), _mm256_mul_ps(d, _mm256_set1_ps(a->scale[at])), acc[i][h]);
-            if (least != NULL)
-                acc[i][h] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(least + 16 * h))),
-                                            _mm256_set1_ps(a->xsum[at]), acc[i][h]);
+            if (has_min) acc[i][h] = _mm256_fmadd_ps(least[h], _mm256_set1_ps(a->xsum[at]), acc[i][h]);
+            acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[i][h]), _mm256_mul_ps(d[h], _mm256_set1_ps(a->scale[at])), acc[i][h]);
         }
     }
+}
+
+/* x16_epilogue with the block's fp16 scales `blk` (X16) and minimums `least` (X16, or none). */
+static inline __attribute__((always_inline)) void x16_scale(__m256i sums[][2], const uint8_t *blk, const uint8_t *least,
+                                                           const Activations *a, int64_t row, int64_t c, int mt,
+                                                           __m256 acc[][2]) {
+    __m256 d[2], mins[2];
+    for (int h = 0; h < 2; h++) {
+        d[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h)));
+        mins[h] = least == NULL ? _mm256_setzero_ps() : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(least + 16 * h)));
+    }
+    x16_epilogue(sums, d, mins, least != NULL, a, row, c, mt, acc);
 }
 
 /* Q4_0 (`has_min` 0) and Q4_1 blocks: X16 scales (and minimums), then four runs of nibbles: the low ones
@@ -1122,16 +1132,9 @@ static inline __attribute__((always_inline)) void panel_x16_tile(const PanelBloc
                 sums[i][1] = _mm256_add_epi32(sums[i][1], _mm256_madd_epi16(w1, xv));
             }
         }
-#pragma GCC unroll 2
-        for (int h = 0; h < 2; h++) {
-            const __m256 d = _mm256_load_ps(blk->d + 8 * h), least = _mm256_load_ps(blk->least + 8 * h);
-#pragma GCC unroll 4
-            for (int i = 0; i < mt; i++) {
-                const int64_t at = (row + i) * a->blocks + c + b;
-                acc[i][h] = _mm256_fmadd_ps(least, _mm256_set1_ps(a->xsum[at]), acc[i][h]);
-                acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[i][h]), _mm256_mul_ps(d, _mm256_set1_ps(a->scale[at])), acc[i][h]);
-            }
-        }
+        const __m256 d[2] = {_mm256_load_ps(blk->d), _mm256_load_ps(blk->d + 8)};
+        const __m256 least[2] = {_mm256_load_ps(blk->least), _mm256_load_ps(blk->least + 8)};
+        x16_epilogue(sums, d, least, 1, a, row, c + b, mt, acc);
     }
 #pragma GCC unroll 4
     for (int i = 0; i < mt; i++)
