@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -165,6 +166,28 @@ def llama_cpp_rope_freqs(config) -> np.ndarray:
     return np.array(factors, dtype=np.float32)
 
 
+# gguf-py quantizes no K-quant: their matrices are random blocks instead, with sane fp16 scales at these byte
+# offsets of a block. gguf dequantizes them, so the folder converted back from the file holds their values (the
+# reference of the tests that use one), not the original folder's.
+K_SCALES = {
+    gguf.GGMLQuantizationType.Q4_K: (0, 2),
+    gguf.GGMLQuantizationType.Q5_K: (0, 2),
+    gguf.GGMLQuantizationType.Q6_K: (208,),
+}
+
+
+def quantize_blocks(values: np.ndarray, kind: gguf.GGMLQuantizationType, rng: np.random.Generator) -> np.ndarray:
+    """`values` (float32, [rows, width]) as `kind`'s blocks: gguf's quantization, or random K-quant blocks."""
+    if kind not in K_SCALES:
+        return gguf.quants.quantize(values, kind)
+    rows, width = values.shape
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    data = rng.integers(0, 256, (rows, width // block, size), dtype=np.uint8)
+    for at in K_SCALES[kind]:
+        data[..., at : at + 2] = rng.uniform(0.001, 0.01, data.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
+    return data.reshape(rows, -1)
+
+
 def write_gguf(folder: Path, path: Path, family: Family) -> None:
     """What llama.cpp's `convert_hf_to_gguf.py` writes for this folder (float32, or F16 matrices)."""
     config = AutoConfig.from_pretrained(folder)
@@ -226,7 +249,8 @@ def write_gguf(folder: Path, path: Path, family: Family) -> None:
     for name, array in [*gguf_tensors(folder, config, family), *extra.items()]:
         kind = next((kind for part, kind in family.quant.items() if part in name), None)
         if kind is not None and array.ndim == 2 and ".exps." not in name:
-            writer.add_tensor(name, gguf.quants.quantize(array.astype(np.float32), kind), raw_dtype=kind)
+            rng = np.random.default_rng(zlib.crc32(name.encode()))
+            writer.add_tensor(name, quantize_blocks(array.astype(np.float32), kind, rng), raw_dtype=kind)
         else:
             writer.add_tensor(name, array)
     writer.write_header_to_file()

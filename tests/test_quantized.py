@@ -31,30 +31,16 @@ from pagedllm.models.quantized import (
     matmul,
 )
 from tests.reference import compare_greedy, reference_greedy
-from tests.test_gguf_families import FAMILIES, save_tiny_family, write_gguf
+from tests.test_gguf_families import FAMILIES, quantize_blocks, save_tiny_family, write_gguf
 
 KINDS = (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
-# Where each K-quant keeps its fp16 super-scales: gguf-py cannot quantize to these types, so their blocks
-# are random bytes with these made small finite numbers.
-K_SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
-
-
-def _blocks(kind: Q, values: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    if kind not in K_SCALES:
-        return gguf.quants.quantize(values, kind)
-    rows, width = values.shape
-    block, size = gguf.GGML_QUANT_SIZES[kind]
-    data = rng.integers(0, 256, (rows, width // block, size), dtype=np.uint8)
-    for at in K_SCALES[kind]:
-        data[..., at : at + 2] = rng.uniform(0.001, 0.01, data.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
-    return data.reshape(rows, -1)
 
 
 def _weight(kind: Q, out_features: int, in_features: int, seed: int = 0) -> tuple[QuantizedWeight, torch.Tensor]:
     """A random weight quantized by gguf, and its values as gguf dequantizes them (float64)."""
     rng = np.random.default_rng(seed)
     values = rng.standard_normal((out_features, in_features)).astype(np.float32)
-    blocks = _blocks(kind, values, rng)
+    blocks = quantize_blocks(values, kind, rng)
     exact = gguf.quants.dequantize(blocks, kind).reshape(out_features, in_features)
     return QuantizedWeight(kind, torch.from_numpy(blocks), in_features), torch.from_numpy(exact).double()
 
@@ -326,7 +312,7 @@ def test_quantization_is_refused_off_a_single_cpu_rank() -> None:
 
 PACKED_KINDS = (Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K)
 HAS_VNNI = {"avx512_vnni", "avx512_bf16"} <= set(native.cpu_flags().split())
-FLOAT32_PACKED_KINDS = (Q.Q4_0, Q.Q4_1, Q.Q8_0)
+FLOAT32_PACKED_KINDS = (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K)
 HAS_X16 = {"avx2", "fma"} <= set(native.cpu_flags().split())
 
 
@@ -389,8 +375,10 @@ def test_the_float32_integer_kernel_is_built_where_the_cpu_has_avx2() -> None:
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 37, 70])
 def test_the_float32_integer_product_is_within_the_activations_quantization(kind: Q, rows: int) -> None:
     """Up to 3 rows in register tiles, from 4 through panels (70: two chunks of 64 rows, tiles of 3 with 1 and 2
-    left over); 288 inputs, 9 blocks: a panel of 8 and one of 1."""
-    out, expected, quantization, magnitude = _packed_product(kind, rows, 288, 48, torch.float32, seed=6)
+    left over); 288 inputs, 9 blocks: a panel of 8 and one of 1; a K-quant's 768 inputs, 3 super-blocks: a panel
+    each."""
+    in_features = 768 if kind in (Q.Q4_K, Q.Q6_K) else 288
+    out, expected, quantization, magnitude = _packed_product(kind, rows, in_features, 48, torch.float32, seed=6)
     # Then float32 sums and scales.
     assert ((out - expected).abs() <= 1.01 * quantization + 1e-5 * magnitude).all()
     assert (out - expected).abs().max() > 0  # quantized: not the float product
@@ -408,6 +396,28 @@ def test_a_float32_model_holds_its_matrices_packed_without_dense_copies(llama_q4
     prompts = [[rng.randrange(3, 380) for _ in range(n)] for n in (5, 9, 40)]
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
     comparison = compare_greedy(outputs, reference_greedy(gguf_to_hf_folder(llama_q4_1), prompts, 10))
+    assert comparison.exact == len(prompts), comparison
+
+
+@pytest.mark.skipif(not HAS_X16, reason="no AVX2 here: float32 weights are never packed")
+def test_a_float32_k_quant_model_holds_its_matrices_packed_without_dense_copies(tmp_path, monkeypatch) -> None:
+    """A Q4_K_M file's mix (Q4_K, Q6_K on attn_v and ffn_down) in rows of 256 values: every layer packed, none
+    with a dequantized copy, and transformers' greedy tokens on the dequantized weights."""
+    llama = FAMILIES["llama"]
+    settings = {**llama.settings, "hidden_size": 256, "intermediate_size": 512}
+    spec = dataclasses.replace(llama, settings=settings, quant={"attn_v": Q.Q6_K, "ffn_down": Q.Q6_K, "": Q.Q4_K})
+    path = tmp_path / "tiny.gguf"
+    write_gguf(save_tiny_family(tmp_path / "hf", spec), path, spec)
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    llm = LLM(model=path, dtype="float32", num_kv_blocks=64)
+    layers = [layer for layer in _layers(llm) if layer is not llm.engine.loaded.model.lm_head]
+    assert layers and all(layer.dense is None for layer in layers)
+    kinds = {(type(part).__name__, part.kind) for layer in layers for part in layer.parts}
+    assert kinds == {("PackedWeight", Q.Q4_K), ("PackedWeight", Q.Q6_K)}
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 380) for _ in range(n)] for n in (2, 9, 40)]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    comparison = compare_greedy(outputs, reference_greedy(gguf_to_hf_folder(path), prompts, 10))
     assert comparison.exact == len(prompts), comparison
 
 

@@ -671,6 +671,23 @@ static void release(Activations *a) {
     free(a->qsum);
     free(a->qhalf);
 }
+
+/* The 6-bit scales (`sc`) and minimums (`mn`) of sub-block s of X16 packed Q4_K rows, a byte each, from the
+ * packed block's 12 scale bytes `q` (X16 of each byte). */
+static inline void q4_k_scale_bytes(const uint8_t *q, int s, __m128i *sc, __m128i *mn) {
+    const __m128i six = _mm_set1_epi8(63), four = _mm_set1_epi8(0x0F), top = _mm_set1_epi8((char)0xC0);
+#define SCALE_BYTE(j) _mm_loadu_si128((const __m128i *)(q + (j) * X16))
+    if (s < 4) {
+        *sc = _mm_and_si128(SCALE_BYTE(s), six);
+        *mn = _mm_and_si128(SCALE_BYTE(s + 4), six);
+    } else {
+        /* the low 4 bits from byte s + 4, the top 2 from the top of byte s - 4 (s for the minimum) */
+        const __m128i low = SCALE_BYTE(s + 4);
+        *sc = _mm_or_si128(_mm_and_si128(low, four), _mm_srli_epi16(_mm_and_si128(SCALE_BYTE(s - 4), top), 2));
+        *mn = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(low, 4), four), _mm_srli_epi16(_mm_and_si128(SCALE_BYTE(s), top), 2));
+    }
+#undef SCALE_BYTE
+}
 #endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
@@ -761,23 +778,12 @@ static inline void q4_k_block(const uint8_t *blk, const Activations *a, int64_t 
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
     const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 2 * X16)));
     const uint8_t *q = blk + 4 * X16, *runs = blk + 16 * X16;
-    const __m128i six = _mm_set1_epi8(63), four = _mm_set1_epi8(0x0F), top = _mm_set1_epi8((char)0xC0);
     const __m512i nibble = _mm512_set1_epi8(0x0F);
-#define SCALE_BYTE(j) _mm_loadu_si128((const __m128i *)(q + (j) * X16))
     for (int c = 0; c < 4; c++) {
         __m512 scales[2], mins[2];
         for (int h = 0; h < 2; h++) {
-            const int s = 2 * c + h;
             __m128i sc, mn;
-            if (s < 4) {
-                sc = _mm_and_si128(SCALE_BYTE(s), six);
-                mn = _mm_and_si128(SCALE_BYTE(s + 4), six);
-            } else {
-                /* the low 4 bits from byte s + 4, the top 2 from the top of byte s - 4 (s for the minimum) */
-                const __m128i low = SCALE_BYTE(s + 4);
-                sc = _mm_or_si128(_mm_and_si128(low, four), _mm_srli_epi16(_mm_and_si128(SCALE_BYTE(s - 4), top), 2));
-                mn = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(low, 4), four), _mm_srli_epi16(_mm_and_si128(SCALE_BYTE(s), top), 2));
-            }
+            q4_k_scale_bytes(q, 2 * c + h, &sc, &mn);
             scales[h] = _mm512_mul_ps(d, bytes_to_floats(sc));
             mins[h] = _mm512_mul_ps(dmin, bytes_to_floats(mn));
         }
@@ -797,7 +803,6 @@ static inline void q4_k_block(const uint8_t *blk, const Activations *a, int64_t 
             acc[i] = _mm512_fnmadd_ps(mins[1], _mm512_set1_ps(a->xsum[at + 1]), acc[i]);
         }
     }
-#undef SCALE_BYTE
 }
 
 /* Q6_K super-blocks: d (fp16, X16), the 16 int8 sub-block scales (X16 of each), then for each half h and
@@ -1051,13 +1056,118 @@ static inline __attribute__((always_inline)) void x16_q8_0(const uint8_t *blk, c
     x16_scale(sums, blk, NULL, a, row, c, mt, acc);
 }
 
+/* 16 bytes, one per row, to the floats of half h of the rows (8 h .. 8 h + 7). */
+static inline __m256 half_bytes_to_floats(__m128i v, int h, int is_signed) {
+    const __m128i half = h ? _mm_srli_si128(v, 8) : v;
+    return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(half) : _mm256_cvtepu8_epi32(half));
+}
+
+/* Sub-block s's scales (d times its 6-bit scale) and minimums (-dmin times its 6-bit minimum) of a packed Q4_K
+ * block, for each half of the rows. */
+static inline void q4_k_sub_scales(const uint8_t *blk, int s, __m256 d[2], __m256 least[2]) {
+    __m128i sc, mn;
+    q4_k_scale_bytes(blk + 4 * X16, s, &sc, &mn);
+    for (int h = 0; h < 2; h++) {
+        d[h] = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h))), half_bytes_to_floats(sc, h, 0));
+        least[h] = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 2 * X16 + 16 * h))),
+                                 _mm256_sub_ps(_mm256_setzero_ps(), half_bytes_to_floats(mn, h, 0)));
+    }
+}
+
+/* Sub-block s's scales of a packed Q6_K block (d times its int8 scale), for each half of the rows. */
+static inline void q6_k_sub_scales(const uint8_t *blk, int s, __m256 d[2]) {
+    const __m128i sc = _mm_loadu_si128((const __m128i *)(blk + 2 * X16 + s * X16));
+    for (int h = 0; h < 2; h++)
+        d[h] = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h))), half_bytes_to_floats(sc, h, 1));
+}
+
+/* The 4-bit values of sub-block s in run j of a packed Q4_K block (low nibbles for even s, high for odd), as
+ * the bytes of rows 0..7 (`v[0]`) and 8..15 (`v[1]`). */
+static inline void q4_k_run(const uint8_t *blk, int s, int j, __m256i v[2]) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    const uint8_t *run = blk + 16 * X16 + 64 * (8 * (s / 2) + j);
+    for (int h = 0; h < 2; h++) {
+        const __m256i r = _mm256_loadu_si256((const __m256i *)(run + 32 * h));
+        v[h] = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(r, 4) : r, nibble);
+    }
+}
+
+/* The 6-bit values (0..63) of `type` in half `h`, quad j of a packed Q6_K block, as the bytes of rows 0..7 and
+ * 8..15 (see q6_k_block). */
+static inline void q6_k_run(const uint8_t *blk, int h, int type, int j, __m256i v[2]) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F), pair = _mm256_set1_epi8(0x30);
+    const uint8_t *run = blk + 18 * X16 + 192 * (8 * h + j);
+    for (int r = 0; r < 2; r++) {
+        const __m256i low = _mm256_loadu_si256((const __m256i *)(run + 64 * (type % 2) + 32 * r));
+        const __m256i high = _mm256_loadu_si256((const __m256i *)(run + 128 + 32 * r));
+        const __m256i bits = type == 0 ? _mm256_slli_epi16(high, 4) : type == 1 ? _mm256_slli_epi16(high, 2)
+                             : type == 2 ? high : _mm256_srli_epi16(high, 2);
+        v[r] = _mm256_or_si256(_mm256_and_si256(type < 2 ? low : _mm256_srli_epi16(low, 4), nibble),
+                               _mm256_and_si256(bits, pair));
+    }
+}
+
+/* Q4_K super-blocks (b: the super-block; its sub-block s is the activations' block 8 b + s): each sub-block a
+ * Q4_1 block with the scale d times its 6-bit scale and the minimum -dmin times its 6-bit minimum. */
+static inline __attribute__((always_inline)) void x16_q4_k(const uint8_t *blk, const Activations *a, int64_t row,
+                                                          int64_t b, int mt, __m256 acc[][2]) {
+    for (int s = 0; s < 8; s++) {
+        __m256i sums[X16_TILE][2];
+        const int32_t *pairs[X16_TILE];
+#pragma GCC unroll 4
+        for (int i = 0; i < mt; i++) {
+            pairs[i] = (const int32_t *)(a->q + ((row + i) * a->blocks + 8 * b + s) * QK);
+            sums[i][0] = sums[i][1] = _mm256_setzero_si256();
+        }
+        for (int j = 0; j < 8; j++) {
+            __m256i v[2];
+            q4_k_run(blk, s, j, v);
+            x16_quad(low_bytes(v[0]), high_bytes(v[0]), low_bytes(v[1]), high_bytes(v[1]), pairs, j, mt, sums);
+        }
+        __m256 d[2], least[2];
+        q4_k_sub_scales(blk, s, d, least);
+        x16_epilogue(sums, d, least, 1, a, row, 8 * b + s, mt, acc);
+    }
+}
+
+/* Q6_K super-blocks: `type` t of half h is the activations' block 8 b + 4 h + t, whose first and second 16 values
+ * are two sub-blocks with their own scales; values are q - 32, the offset applied through the activations' sums
+ * over each half block (`qhalf`). */
+static inline __attribute__((always_inline)) void x16_q6_k(const uint8_t *blk, const Activations *a, int64_t row,
+                                                          int64_t b, int mt, __m256 acc[][2]) {
+    const __m256 none[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int h = 0; h < 2; h++)
+        for (int type = 0; type < 4; type++)
+            for (int half = 0; half < 2; half++) {
+                const int64_t c = 8 * b + 4 * h + type;
+                __m256i sums[X16_TILE][2];
+                const int32_t *pairs[X16_TILE];
+#pragma GCC unroll 4
+                for (int i = 0; i < mt; i++) {
+                    const int64_t at = (row + i) * a->blocks + c;
+                    pairs[i] = (const int32_t *)(a->q + at * QK);
+                    sums[i][0] = sums[i][1] = _mm256_set1_epi32(-32 * a->qhalf[2 * at + half]);
+                }
+                for (int j = 4 * half; j < 4 * half + 4; j++) {
+                    __m256i v[2];
+                    q6_k_run(blk, h, type, j, v);
+                    x16_quad(low_bytes(v[0]), high_bytes(v[0]), low_bytes(v[1]), high_bytes(v[1]), pairs, j, mt, sums);
+                }
+                __m256 d[2];
+                q6_k_sub_scales(blk, 8 * h + 2 * type + half, d);
+                x16_epilogue(sums, d, none, 0, a, row, c, mt, acc);
+            }
+}
+
 /* A packed block expanded for the panel: pair p of its values is panel[2p + h] for half h (the activations'
- * pair p: quad p / 2, words (0, 2) or (1, 3)), with its rows' scales and minimums (Q4_1; others none) as
- * floats. Q4_0's values are q - 8 as words. */
+ * pair p: quad p / 2, words (0, 2) or (1, 3)), with its rows' scales and minimums (Q4_1, Q4_K; others none) as
+ * floats. Q4_0's values are q - 8 as words, Q6_K's q - 32. A K-quant super-block expands to 8 of them, one a
+ * block of 32 activations; Q6_K's hold two sub-blocks of 16, with their own scales. */
 typedef struct {
     __m256i words[QK];
     float d[X16] __attribute__((aligned(32)));
     float least[X16] __attribute__((aligned(32)));
+    float d2[X16] __attribute__((aligned(32))); /* Q6_K: the second 16 values' scales (d: the first 16's) */
 } PanelBlock;
 
 static inline void panel_quad(PanelBlock *out, int quad, __m256i v0, __m256i v1, int is_signed) {
@@ -1106,10 +1216,65 @@ static inline void panel_q8_0(const uint8_t *blk, PanelBlock *out) {
     panel_scales(out, blk, NULL);
 }
 
-/* y[i * n + j] (+)= activation rows row.. row + mt - 1 against the panel's `count` blocks from block c. */
+static inline void panel_q4_k(const uint8_t *blk, PanelBlock *out) {
+    for (int s = 0; s < 8; s++) {
+        for (int j = 0; j < 8; j++) {
+            __m256i v[2];
+            q4_k_run(blk, s, j, v);
+            panel_quad(out + s, j, v[0], v[1], 0);
+        }
+        __m256 d[2], least[2];
+        q4_k_sub_scales(blk, s, d, least);
+        for (int h = 0; h < 2; h++) {
+            _mm256_store_ps(out[s].d + 8 * h, d[h]);
+            _mm256_store_ps(out[s].least + 8 * h, least[h]);
+        }
+    }
+}
+
+static inline void panel_q6_k(const uint8_t *blk, PanelBlock *out) {
+    const __m256i offset = _mm256_set1_epi8(32);
+    for (int h = 0; h < 2; h++)
+        for (int type = 0; type < 4; type++) {
+            PanelBlock *o = out + 4 * h + type;
+            for (int j = 0; j < 8; j++) {
+                __m256i v[2];
+                q6_k_run(blk, h, type, j, v);
+                panel_quad(o, j, _mm256_sub_epi8(v[0], offset), _mm256_sub_epi8(v[1], offset), 1);
+            }
+            __m256 d[2], d2[2];
+            q6_k_sub_scales(blk, 8 * h + 2 * type, d);
+            q6_k_sub_scales(blk, 8 * h + 2 * type + 1, d2);
+            for (int r = 0; r < 2; r++) {
+                _mm256_store_ps(o->d + 8 * r, d[r]);
+                _mm256_store_ps(o->d2 + 8 * r, d2[r]);
+                _mm256_store_ps(o->least + 8 * r, _mm256_setzero_ps());
+            }
+        }
+}
+
+/* sums[i][h] = the panel block's pairs p_begin .. p_end - 1 against activation row i's. */
+static inline __attribute__((always_inline)) void panel_sums(const PanelBlock *blk, const int32_t *const *pairs,
+                                                            int p_begin, int p_end, int mt, __m256i sums[][2]) {
+#pragma GCC unroll 4
+    for (int i = 0; i < mt; i++) sums[i][0] = sums[i][1] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+    for (int p = p_begin; p < p_end; p++) {
+        const __m256i w0 = _mm256_load_si256(blk->words + 2 * p), w1 = _mm256_load_si256(blk->words + 2 * p + 1);
+#pragma GCC unroll 4
+        for (int i = 0; i < mt; i++) {
+            const __m256i xv = _mm256_set1_epi32(pairs[i][p]);
+            sums[i][0] = _mm256_add_epi32(sums[i][0], _mm256_madd_epi16(w0, xv));
+            sums[i][1] = _mm256_add_epi32(sums[i][1], _mm256_madd_epi16(w1, xv));
+        }
+    }
+}
+
+/* y[i * n + j] (+)= activation rows row.. row + mt - 1 against the panel's `count` blocks from block c; `split`
+ * (Q6_K) scales each block's two halves on their own (d, then d2). */
 static inline __attribute__((always_inline)) void panel_x16_tile(const PanelBlock *panel, int64_t count,
                                                                 const Activations *a, int64_t row, int64_t c,
-                                                                int mt, int first, float *y, int64_t n) {
+                                                                int mt, int first, float *y, int64_t n, int split) {
     __m256 acc[X16_TILE][2];
 #pragma GCC unroll 4
     for (int i = 0; i < mt; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
@@ -1118,23 +1283,19 @@ static inline __attribute__((always_inline)) void panel_x16_tile(const PanelBloc
         __m256i sums[X16_TILE][2];
         const int32_t *pairs[X16_TILE];
 #pragma GCC unroll 4
-        for (int i = 0; i < mt; i++) {
-            pairs[i] = (const int32_t *)(a->q + ((row + i) * a->blocks + c + b) * QK);
-            sums[i][0] = sums[i][1] = _mm256_setzero_si256();
-        }
-#pragma GCC unroll 2
-        for (int p = 0; p < QK / 2; p++) {
-            const __m256i w0 = _mm256_load_si256(blk->words + 2 * p), w1 = _mm256_load_si256(blk->words + 2 * p + 1);
-#pragma GCC unroll 4
-            for (int i = 0; i < mt; i++) {
-                const __m256i xv = _mm256_set1_epi32(pairs[i][p]);
-                sums[i][0] = _mm256_add_epi32(sums[i][0], _mm256_madd_epi16(w0, xv));
-                sums[i][1] = _mm256_add_epi32(sums[i][1], _mm256_madd_epi16(w1, xv));
-            }
-        }
+        for (int i = 0; i < mt; i++) pairs[i] = (const int32_t *)(a->q + ((row + i) * a->blocks + c + b) * QK);
         const __m256 d[2] = {_mm256_load_ps(blk->d), _mm256_load_ps(blk->d + 8)};
         const __m256 least[2] = {_mm256_load_ps(blk->least), _mm256_load_ps(blk->least + 8)};
-        x16_epilogue(sums, d, least, 1, a, row, c + b, mt, acc);
+        if (split) {
+            const __m256 d2[2] = {_mm256_load_ps(blk->d2), _mm256_load_ps(blk->d2 + 8)};
+            panel_sums(blk, pairs, 0, QK / 4, mt, sums);
+            x16_epilogue(sums, d, least, 0, a, row, c + b, mt, acc);
+            panel_sums(blk, pairs, QK / 4, QK / 2, mt, sums);
+            x16_epilogue(sums, d2, least, 0, a, row, c + b, mt, acc);
+        } else {
+            panel_sums(blk, pairs, 0, QK / 2, mt, sums);
+            x16_epilogue(sums, d, least, 1, a, row, c + b, mt, acc);
+        }
     }
 #pragma GCC unroll 4
     for (int i = 0; i < mt; i++)
@@ -1144,10 +1305,11 @@ static inline __attribute__((always_inline)) void panel_x16_tile(const PanelBloc
         }
 }
 
-/* y = x @ W.T for float32 x `[m, k]` and W packed by pack_x16 (n a multiple of X16), as gemm_vnni_* does it:
- * each thread takes a share of the groups and goes through the activation rows a chunk at a time; from
- * X16_PANEL_ROWS rows on through panels. */
-#define DEFINE_GEMM_X16(TYPE, BYTES)                                                                        \
+/* y = x @ W.T for float32 x `[m, k]` and W packed by pack_x16 (n a multiple of X16; blocks of QB values, BYTES a
+ * row's block), as gemm_vnni_* does it: each thread takes a share of the groups and goes through the activation
+ * rows a chunk at a time; from X16_PANEL_ROWS rows on through panels, filled X16_KB blocks of 32 at a time (a
+ * K-quant super-block fills 8). */
+#define DEFINE_GEMM_X16(TYPE, BYTES, QB, SPLIT)                                                             \
     static void x16_##TYPE##_group(const uint8_t *group, int64_t blocks, const Activations *a, int64_t row,   \
                                    int mt, float *y, int64_t n) {                                            \
         __m256 acc[X16_TILE][2];                                                                             \
@@ -1168,7 +1330,8 @@ static inline __attribute__((always_inline)) void panel_x16_tile(const PanelBloc
     }                                                                                                        \
                                                                                                              \
     void gemm_x16_##TYPE(const float *x, int64_t m, int64_t k, const uint8_t *w, int64_t n, float *y) {     \
-        const int64_t blocks = k / QK, group_bytes = blocks * X16 * (BYTES);                                 \
+        const int64_t blocks = k / (QB), group_bytes = blocks * X16 * (BYTES), per = (QB) / QK;              \
+        const int64_t fill = X16_KB / per; /* blocks a panel holds */                                        \
         Activations a = quantize_activations_f32(x, m, k);                                                   \
         _Pragma("omp parallel")                                                                              \
         {                                                                                                    \
@@ -1185,15 +1348,17 @@ static inline __attribute__((always_inline)) void panel_x16_tile(const PanelBloc
                                                y + i * n + g * X16, n);                                      \
                         continue;                                                                            \
                     }                                                                                        \
-                    for (int64_t c = 0; c < blocks; c += X16_KB) {                                           \
-                        const int64_t count = blocks - c < X16_KB ? blocks - c : X16_KB;                     \
-                        for (int64_t b = 0; b < count; b++) panel_##TYPE(group + (c + b) * X16 * (BYTES), &panel[b]); \
+                    for (int64_t c = 0; c < blocks; c += fill) {                                             \
+                        const int64_t count = (blocks - c < fill ? blocks - c : fill) * per, at = c * per;    \
+                        for (int64_t b = 0; b < count / per; b++)                                            \
+                            panel_##TYPE(group + (c + b) * X16 * (BYTES), &panel[b * per]);                  \
+                        float *out = y + g * X16;                                                            \
                         int64_t i = chunk;                                                                   \
                         for (; i + X16_TILE <= end; i += X16_TILE)                                           \
-                            panel_x16_tile(panel, count, &a, i, c, X16_TILE, c == 0, y + i * n + g * X16, n); \
+                            panel_x16_tile(panel, count, &a, i, at, X16_TILE, c == 0, out + i * n, n, SPLIT); \
                         switch (end - i) {                                                                   \
-                        case 2: panel_x16_tile(panel, count, &a, i, c, 2, c == 0, y + i * n + g * X16, n); break; \
-                        case 1: panel_x16_tile(panel, count, &a, i, c, 1, c == 0, y + i * n + g * X16, n); break; \
+                        case 2: panel_x16_tile(panel, count, &a, i, at, 2, c == 0, out + i * n, n, SPLIT); break; \
+                        case 1: panel_x16_tile(panel, count, &a, i, at, 1, c == 0, out + i * n, n, SPLIT); break; \
                         default: break;                                                                      \
                         }                                                                                    \
                     }                                                                                        \
@@ -1203,9 +1368,11 @@ static inline __attribute__((always_inline)) void panel_x16_tile(const PanelBloc
         release(&a);                                                                                         \
     }
 
-DEFINE_GEMM_X16(q4_0, 18)
-DEFINE_GEMM_X16(q4_1, 20)
-DEFINE_GEMM_X16(q8_0, 34)
+DEFINE_GEMM_X16(q4_0, 18, 32, 0)
+DEFINE_GEMM_X16(q4_1, 20, 32, 0)
+DEFINE_GEMM_X16(q8_0, 34, 32, 0)
+DEFINE_GEMM_X16(q4_k, 144, 256, 0)
+DEFINE_GEMM_X16(q6_k, 210, 256, 1)
 
 int has_x16_gemm(void) { return 1; }
 #else

@@ -110,7 +110,13 @@ _PACKED_KINDS = {
         GGMLQuantizationType.Q4_K,
         GGMLQuantizationType.Q6_K,
     },
-    torch.float32: {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0},
+    torch.float32: {
+        GGMLQuantizationType.Q4_0,
+        GGMLQuantizationType.Q4_1,
+        GGMLQuantizationType.Q8_0,
+        GGMLQuantizationType.Q4_K,
+        GGMLQuantizationType.Q6_K,
+    },
 }
 # Activations meet a packed weight in integer dot products at every row count: from one row (bandwidth) to a
 # prefill's thousands they measured faster than the dequantized tiles into torch's GEMM, bf16 on AVX512-VNNI and
