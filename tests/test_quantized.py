@@ -31,7 +31,7 @@ from pagedllm.models.quantized import (
     matmul,
 )
 from tests.reference import compare_greedy, reference_greedy
-from tests.test_gguf_families import FAMILIES, quantize_blocks, save_tiny_family, write_gguf
+from tests.test_gguf_families import FAMILIES, K_SCALES, quantize_blocks, save_tiny_family, write_gguf
 
 KINDS = (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 
@@ -312,7 +312,7 @@ def test_quantization_is_refused_off_a_single_cpu_rank() -> None:
 
 PACKED_KINDS = (Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K)
 HAS_VNNI = {"avx512_vnni", "avx512_bf16"} <= set(native.cpu_flags().split())
-FLOAT32_PACKED_KINDS = (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K)
+FLOAT32_PACKED_KINDS = (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 HAS_X16 = {"avx2", "fma"} <= set(native.cpu_flags().split())
 
 
@@ -321,7 +321,7 @@ def test_the_integer_kernel_is_built_where_the_cpu_has_avx512_vnni() -> None:
     assert lib is not None and bool(lib.has_vnni_gemm()) == HAS_VNNI
 
 
-@pytest.mark.parametrize("kind", PACKED_KINDS, ids=lambda k: k.name)
+@pytest.mark.parametrize("kind", sorted(set(PACKED_KINDS) | set(FLOAT32_PACKED_KINDS)), ids=lambda k: k.name)
 def test_packing_moves_the_bytes_in_place_and_unpacks_to_them(kind: Q) -> None:
     weight, exact = _weight(kind, 48, 512, seed=4)
     raw = weight.data.clone()
@@ -377,7 +377,7 @@ def test_the_float32_integer_product_is_within_the_activations_quantization(kind
     """Up to 3 rows in register tiles, from 4 through panels (70: two chunks of 64 rows, tiles of 3 with 1 and 2
     left over); 288 inputs, 9 blocks: a panel of 8 and one of 1; a K-quant's 768 inputs, 3 super-blocks: a panel
     each."""
-    in_features = 768 if kind in (Q.Q4_K, Q.Q6_K) else 288
+    in_features = 768 if kind in K_SCALES else 288
     out, expected, quantization, magnitude = _packed_product(kind, rows, in_features, 48, torch.float32, seed=6)
     # Then float32 sums and scales.
     assert ((out - expected).abs() <= 1.01 * quantization + 1e-5 * magnitude).all()
@@ -401,11 +401,13 @@ def test_a_float32_model_holds_its_matrices_packed_without_dense_copies(llama_q4
 
 @pytest.mark.skipif(not HAS_X16, reason="no AVX2 here: float32 weights are never packed")
 def test_a_float32_k_quant_model_holds_its_matrices_packed_without_dense_copies(tmp_path, monkeypatch) -> None:
-    """A Q4_K_M file's mix (Q4_K, Q6_K on attn_v and ffn_down) in rows of 256 values: every layer packed, none
-    with a dequantized copy, and transformers' greedy tokens on the dequantized weights."""
+    """A Q4_K_M file's mix (Q4_K, Q6_K on attn_v and ffn_down) and Q5_K on ffn_up (gate/up fused of two types) in
+    rows of 256 values: every layer packed, none with a dequantized copy, and transformers' greedy tokens on the
+    dequantized weights."""
     llama = FAMILIES["llama"]
     settings = {**llama.settings, "hidden_size": 256, "intermediate_size": 512}
-    spec = dataclasses.replace(llama, settings=settings, quant={"attn_v": Q.Q6_K, "ffn_down": Q.Q6_K, "": Q.Q4_K})
+    quant = {"attn_v": Q.Q6_K, "ffn_down": Q.Q6_K, "ffn_up": Q.Q5_K, "": Q.Q4_K}
+    spec = dataclasses.replace(llama, settings=settings, quant=quant)
     path = tmp_path / "tiny.gguf"
     write_gguf(save_tiny_family(tmp_path / "hf", spec), path, spec)
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
@@ -413,7 +415,7 @@ def test_a_float32_k_quant_model_holds_its_matrices_packed_without_dense_copies(
     layers = [layer for layer in _layers(llm) if layer is not llm.engine.loaded.model.lm_head]
     assert layers and all(layer.dense is None for layer in layers)
     kinds = {(type(part).__name__, part.kind) for layer in layers for part in layer.parts}
-    assert kinds == {("PackedWeight", Q.Q4_K), ("PackedWeight", Q.Q6_K)}
+    assert kinds == {("PackedWeight", kind) for kind in (Q.Q4_K, Q.Q5_K, Q.Q6_K)}
     rng = random.Random(4)
     prompts = [[rng.randrange(3, 380) for _ in range(n)] for n in (2, 9, 40)]
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)

@@ -1063,7 +1063,7 @@ static inline __m256 half_bytes_to_floats(__m128i v, int h, int is_signed) {
 }
 
 /* Sub-block s's scales (d times its 6-bit scale) and minimums (-dmin times its 6-bit minimum) of a packed Q4_K
- * block, for each half of the rows. */
+ * or Q5_K block, for each half of the rows. */
 static inline void q4_k_sub_scales(const uint8_t *blk, int s, __m256 d[2], __m256 least[2]) {
     __m128i sc, mn;
     q4_k_scale_bytes(blk + 4 * X16, s, &sc, &mn);
@@ -1081,14 +1081,19 @@ static inline void q6_k_sub_scales(const uint8_t *blk, int s, __m256 d[2]) {
         d[h] = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h))), half_bytes_to_floats(sc, h, 1));
 }
 
-/* The 4-bit values of sub-block s in run j of a packed Q4_K block (low nibbles for even s, high for odd), as
- * the bytes of rows 0..7 (`v[0]`) and 8..15 (`v[1]`). */
-static inline void q4_k_run(const uint8_t *blk, int s, int j, __m256i v[2]) {
-    const __m256i nibble = _mm256_set1_epi8(0x0F);
-    const uint8_t *run = blk + 16 * X16 + 64 * (8 * (s / 2) + j);
+/* The values of sub-block s in quad j of a packed Q4_K block, or Q5_K (`five`), as the bytes of rows 0..7 (`v[0]`)
+ * and 8..15 (`v[1]`): the low nibbles of run 8 (s / 2) + j for even s, the high ones for odd s; Q5_K's fifth bits
+ * are bit s of its high-bit run j. */
+static inline void k_run(const uint8_t *blk, int five, int s, int j, __m256i v[2]) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    const uint8_t *run = blk + (five ? 48 : 16) * X16 + 64 * (8 * (s / 2) + j);
     for (int h = 0; h < 2; h++) {
         const __m256i r = _mm256_loadu_si256((const __m256i *)(run + 32 * h));
         v[h] = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(r, 4) : r, nibble);
+        if (five) {
+            const __m256i bits = _mm256_loadu_si256((const __m256i *)(blk + 16 * X16 + 64 * j + 32 * h));
+            v[h] = _mm256_or_si256(v[h], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bits, s), one), 4));
+        }
     }
 }
 
@@ -1107,10 +1112,11 @@ static inline void q6_k_run(const uint8_t *blk, int h, int type, int j, __m256i 
     }
 }
 
-/* Q4_K super-blocks (b: the super-block; its sub-block s is the activations' block 8 b + s): each sub-block a
- * Q4_1 block with the scale d times its 6-bit scale and the minimum -dmin times its 6-bit minimum. */
-static inline __attribute__((always_inline)) void x16_q4_k(const uint8_t *blk, const Activations *a, int64_t row,
-                                                          int64_t b, int mt, __m256 acc[][2]) {
+/* Q4_K and Q5_K (`five`) super-blocks (b: the super-block; its sub-block s is the activations' block 8 b + s):
+ * each sub-block a Q4_1 block (of 5-bit values in Q5_K) with the scale d times its 6-bit scale and the minimum
+ * -dmin times its 6-bit minimum. */
+static inline __attribute__((always_inline)) void x16_k(const uint8_t *blk, int five, const Activations *a,
+                                                       int64_t row, int64_t b, int mt, __m256 acc[][2]) {
     for (int s = 0; s < 8; s++) {
         __m256i sums[X16_TILE][2];
         const int32_t *pairs[X16_TILE];
@@ -1121,13 +1127,23 @@ static inline __attribute__((always_inline)) void x16_q4_k(const uint8_t *blk, c
         }
         for (int j = 0; j < 8; j++) {
             __m256i v[2];
-            q4_k_run(blk, s, j, v);
+            k_run(blk, five, s, j, v);
             x16_quad(low_bytes(v[0]), high_bytes(v[0]), low_bytes(v[1]), high_bytes(v[1]), pairs, j, mt, sums);
         }
         __m256 d[2], least[2];
         q4_k_sub_scales(blk, s, d, least);
         x16_epilogue(sums, d, least, 1, a, row, 8 * b + s, mt, acc);
     }
+}
+
+static inline __attribute__((always_inline)) void x16_q4_k(const uint8_t *blk, const Activations *a, int64_t row,
+                                                          int64_t b, int mt, __m256 acc[][2]) {
+    x16_k(blk, 0, a, row, b, mt, acc);
+}
+
+static inline __attribute__((always_inline)) void x16_q5_k(const uint8_t *blk, const Activations *a, int64_t row,
+                                                          int64_t b, int mt, __m256 acc[][2]) {
+    x16_k(blk, 1, a, row, b, mt, acc);
 }
 
 /* Q6_K super-blocks: `type` t of half h is the activations' block 8 b + 4 h + t, whose first and second 16 values
@@ -1216,11 +1232,11 @@ static inline void panel_q8_0(const uint8_t *blk, PanelBlock *out) {
     panel_scales(out, blk, NULL);
 }
 
-static inline void panel_q4_k(const uint8_t *blk, PanelBlock *out) {
+static inline void panel_k(const uint8_t *blk, int five, PanelBlock *out) {
     for (int s = 0; s < 8; s++) {
         for (int j = 0; j < 8; j++) {
             __m256i v[2];
-            q4_k_run(blk, s, j, v);
+            k_run(blk, five, s, j, v);
             panel_quad(out + s, j, v[0], v[1], 0);
         }
         __m256 d[2], least[2];
@@ -1231,6 +1247,9 @@ static inline void panel_q4_k(const uint8_t *blk, PanelBlock *out) {
         }
     }
 }
+
+static inline void panel_q4_k(const uint8_t *blk, PanelBlock *out) { panel_k(blk, 0, out); }
+static inline void panel_q5_k(const uint8_t *blk, PanelBlock *out) { panel_k(blk, 1, out); }
 
 static inline void panel_q6_k(const uint8_t *blk, PanelBlock *out) {
     const __m256i offset = _mm256_set1_epi8(32);
@@ -1372,6 +1391,7 @@ DEFINE_GEMM_X16(q4_0, 18, 32, 0)
 DEFINE_GEMM_X16(q4_1, 20, 32, 0)
 DEFINE_GEMM_X16(q8_0, 34, 32, 0)
 DEFINE_GEMM_X16(q4_k, 144, 256, 0)
+DEFINE_GEMM_X16(q5_k, 176, 256, 0)
 DEFINE_GEMM_X16(q6_k, 210, 256, 1)
 
 int has_x16_gemm(void) { return 1; }

@@ -98,6 +98,8 @@ _PACKED_SEGMENTS = {
     GGMLQuantizationType.Q4_1: [(0, 2), (2, 2), *_runs(4, 4)],
     GGMLQuantizationType.Q8_0: [(0, 2), *_runs(2, 8)],
     GGMLQuantizationType.Q4_K: [(0, 2), (2, 2), *((4 + j, 1) for j in range(12)), *_runs(16, 32)],
+    # Q5_K: as Q4_K, with the fifth bits (32 bytes: byte l's bit s is value l's of sub-block s) before the nibbles.
+    GGMLQuantizationType.Q5_K: [(0, 2), (2, 2), *((4 + j, 1) for j in range(12)), *_runs(16, 8), *_runs(48, 32)],
     GGMLQuantizationType.Q6_K: [(208, 2), *((192 + s, 1) for s in range(16)), *_q6_k_runs()],
 }
 # The packed types each dtype's integer kernel takes: bf16's on AVX512-VNNI (`gemm_vnni_*`), float32's on AVX2
@@ -115,6 +117,7 @@ _PACKED_KINDS = {
         GGMLQuantizationType.Q4_1,
         GGMLQuantizationType.Q8_0,
         GGMLQuantizationType.Q4_K,
+        GGMLQuantizationType.Q5_K,
         GGMLQuantizationType.Q6_K,
     },
 }
