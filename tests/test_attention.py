@@ -182,9 +182,21 @@ def test_sequences_sharing_blocks_and_long_contexts(monkeypatch, implementation,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("lens", [[700], [700, 33, 5]], ids=["one", "three"])
 def test_a_few_decode_tokens_alone(monkeypatch, implementation, dtype, lens):
-    # Too few sequences to keep every thread busy: the kernel splits them by KV head.
+    # Too few sequences to keep every thread busy: the kernel splits them by KV head (and one alone along its
+    # context too).
     case = make_case(16, 9, 3, 64, dtype, lens, [1] * len(lens), seed=6, unused=UNUSED_SLOTS[implementation])
     check(case, dtype, monkeypatch, implementation)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("block_size", [1, 16, 24, 32])
+@pytest.mark.parametrize("softcap", [0.0, 30.0])
+@pytest.mark.parametrize("length", [300, 1999])
+def test_one_decode_sequence_split_along_its_context(monkeypatch, dtype, block_size, softcap, length):
+    """The portable kernel walks a lone decode sequence's KV heads in parts of whole blocks (24: parts of 3 chunks of
+    16), from several threads, and merges their softmax states: the reference's output, capped or not."""
+    case = make_case(block_size, 9, 3, 64, dtype, [length], [1], seed=8, unused=UNUSED_SLOTS["portable"])
+    check_options(case, dtype, monkeypatch, "portable", 0, softcap, query_scale=3.0)
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)

@@ -57,11 +57,20 @@
  * path, transposing) a chunk of K/V, small enough that a long prompt still makes many items. */
 #define ITEM_ROWS 48
 #define MAX_ITEM_ROWS 64 /* ITEM_ROWS rounded up to whole tokens, or one token's KV heads' query heads */
+/* A step left with fewer than 2 items a thread after splitting its decode items by KV head (a single decode
+ * sequence: its 3 KV heads left a thread idle a third of the step on 2 threads) splits its decode items along
+ * their context into parts of at least MIN_PART_CHUNKS chunks, about PARTS_PER_THREAD a thread, each walked by any
+ * thread; the parts' softmax states are merged afterwards. */
+#define PARTS_PER_THREAD 4
+#define MIN_PART_CHUNKS 8
 
-/* Query tokens [token_begin, token_end) of sequence `seq` against KV heads [kv_begin, kv_end). */
+/* Query tokens [token_begin, token_end) of sequence `seq` against KV heads [kv_begin, kv_end), over chunks
+ * [chunk_begin, chunk_end) of its walk. A part of a split item writes its rows' softmax state (maximum, sum,
+ * output not yet divided) to `state` instead of its output. */
 typedef struct {
-    int32_t seq, token_begin, token_end, kv_begin, kv_end;
+    int32_t seq, token_begin, token_end, kv_begin, kv_end, chunk_begin, chunk_end;
     int64_t cost;
+    float *state;
 } Item;
 
 /* Everything an item needs to know about the batch, passed around as one pointer. */
@@ -104,6 +113,11 @@ static inline int64_t walk_start(const Batch *b, int64_t position) {
     return start - start % b->block_size;
 }
 
+/* The chunks an item walks from position `start` (0, or its walk_start). */
+static inline int64_t item_chunks(const Batch *b, const Item *it, int64_t start) {
+    return (b->seq_lens[it->seq] - q_len_of(b, it->seq) + it->token_end - 1 - start) / CHUNK + 1;
+}
+
 static int64_t count_items(const Batch *b, int64_t num_seqs, int64_t tile, int64_t kv_per_decode_item) {
     int64_t count = 0;
     for (int64_t s = 0; s < num_seqs; s++) {
@@ -114,8 +128,8 @@ static int64_t count_items(const Batch *b, int64_t num_seqs, int64_t tile, int64
     return count;
 }
 
-/* Items of every sequence, heaviest first: dynamic scheduling then finishes with the small ones. A step
- * of a few decode tokens alone splits them by KV head, so that every thread has work. */
+/* Items of every sequence, each over its whole walk. A step of a few decode tokens alone splits them by KV
+ * head, so that every thread has work. */
 static Item *build_items(const Batch *b, int64_t num_seqs, int64_t *num_items) {
     const int64_t group = b->num_heads / b->num_kv_heads;
     const int64_t tile = group >= ITEM_ROWS ? 1 : ITEM_ROWS / group;
@@ -132,18 +146,80 @@ static Item *build_items(const Batch *b, int64_t num_seqs, int64_t *num_items) {
         const int64_t q_len = q_len_of(b, s), kv_step = q_len == 1 ? kv_per_decode_item : 1;
         for (int64_t t = 0; t < q_len; t += tile) {
             const int64_t end = t + tile < q_len ? t + tile : q_len;
-            const int64_t first = b->seq_lens[s] - q_len + t;
-            const int64_t chunks = (first + end - t - 1 - walk_start(b, first)) / CHUNK + 1;
             for (int64_t h = 0; h < b->num_kv_heads; h += kv_step) {
                 const int64_t kv_end = h + kv_step < b->num_kv_heads ? h + kv_step : b->num_kv_heads;
-                items[n++] = (Item){(int32_t)s, (int32_t)t, (int32_t)end, (int32_t)h, (int32_t)kv_end,
-                                    (end - t) * (kv_end - h) * chunks};
+                Item it = {(int32_t)s, (int32_t)t, (int32_t)end, (int32_t)h, (int32_t)kv_end, 0, 0, 0, NULL};
+                it.chunk_end = (int32_t)item_chunks(b, &it, walk_start(b, b->seq_lens[s] - q_len + t));
+                it.cost = (end - t) * (kv_end - h) * it.chunk_end;
+                items[n++] = it;
             }
         }
     }
-    qsort(items, n, sizeof(Item), by_cost_descending);
     *num_items = n;
     return items;
+}
+
+/* A decode item split into `parts` parts, whose states lie at `states`, one every state_stride floats. */
+typedef struct {
+    Item whole;
+    int64_t parts;
+    float *states;
+} Split;
+
+/* The rows' softmax state a part leaves: maximum and sum (base 2), then the output not yet divided. */
+static inline int64_t state_stride(const Batch *b) { return MAX_ITEM_ROWS * (b->head_dim + 2); }
+
+/* How many parts split_items makes of `it`: a decode item's chunks in parts of at least MIN_PART_CHUNKS chunks and
+ * whole `unit`s (a part starts at a block boundary, where a cursor can start), at most `most`. */
+static inline int64_t parts_of(const Item *it, int64_t unit, int64_t most) {
+    if (it->token_end - it->token_begin != 1) return 1;
+    const int64_t fit = it->chunk_end / (MIN_PART_CHUNKS > unit ? MIN_PART_CHUNKS : unit);
+    return fit < 1 ? 1 : fit < most ? fit : most;
+}
+
+/* Splits the decode items of a step with few items (see PARTS_PER_THREAD) into parts over their context; returns the
+ * items to run (the others as they were) and sets `splits` to the split ones, their parts' states allocated in
+ * `*states` (all NULL when nothing was split). */
+static Item *split_items(const Batch *b, Item *items, int64_t *num_items, Split **splits, int64_t *num_splits,
+                         float **states) {
+    const int64_t threads = omp_get_max_threads(), wanted = PARTS_PER_THREAD * threads, n = *num_items;
+    *splits = NULL, *num_splits = 0, *states = NULL;
+    if (n >= 2 * threads) return items;
+    int64_t unit = 1;
+    while (unit * CHUNK % b->block_size != 0) unit++;
+    const int64_t most = (wanted + n - 1) / n;
+    int64_t total = 0, split = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t parts = parts_of(&items[i], unit, most);
+        total += parts;
+        split += parts > 1;
+    }
+    if (split == 0) return items;
+    Item *out = (Item *)malloc(sizeof(Item) * total);
+    *splits = (Split *)malloc(sizeof(Split) * split);
+    *states = (float *)malloc(sizeof(float) * (total - (n - split)) * state_stride(b));
+    int64_t at = 0, slot = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const Item it = items[i];
+        const int64_t parts = parts_of(&it, unit, most), units = (it.chunk_end + unit - 1) / unit;
+        if (parts == 1) {
+            out[at++] = it;
+            continue;
+        }
+        (*splits)[(*num_splits)++] = (Split){it, parts, *states + slot * state_stride(b)};
+        for (int64_t p = 0; p < parts; p++) {
+            Item part = it;
+            part.chunk_begin = (int32_t)(units * p / parts * unit);
+            const int64_t end = units * (p + 1) / parts * unit;
+            part.chunk_end = (int32_t)(end < it.chunk_end ? end : it.chunk_end);
+            part.cost = (int64_t)(part.chunk_end - part.chunk_begin) * (it.kv_end - it.kv_begin);
+            part.state = *states + (slot++) * state_stride(b);
+            out[at++] = part;
+        }
+    }
+    free(items);
+    *num_items = at;
+    return out;
 }
 
 /* Walks an item's context through its block table, CHUNK positions at a time, without a division per
@@ -215,20 +291,29 @@ static inline __attribute__((always_inline)) int64_t query_row_position(const Ba
     return b->seq_lens[it->seq] - q_len_of(b, it->seq) + it->token_begin + r % rows_per_kv_head(b, it) / group;
 }
 
-/* The chunks an item walks from position `start` (0, or its walk_start). */
-static inline int64_t item_chunks(const Batch *b, const Item *it, int64_t start) {
-    return (b->seq_lens[it->seq] - q_len_of(b, it->seq) + it->token_end - 1 - start) / CHUNK + 1;
-}
-
-/* Runs `attend_item` on every item, two threads (or OMP_NUM_THREADS) pulling from the sorted list. */
+/* Attends one item: its output rows, or a part's state. */
 typedef void (*ItemFn)(const Batch *b, const Item *it);
 
-static void run_items(const Batch *b, int64_t num_seqs, ItemFn attend_item) {
-    int64_t num_items;
+/* Writes a split item's output from its parts' states. */
+typedef void (*MergeFn)(const Batch *b, const Split *split);
+
+/* Runs `attend_item` on every item, two threads (or OMP_NUM_THREADS) pulling from the list sorted heaviest
+ * first, so that dynamic scheduling finishes with the small ones; where `merge` is given, a step with few items
+ * first splits its decode items (split_items) and merges their parts after. */
+static void run_items(const Batch *b, int64_t num_seqs, ItemFn attend_item, MergeFn merge) {
+    int64_t num_items, num_splits = 0;
     Item *items = build_items(b, num_seqs, &num_items);
+    Split *splits = NULL;
+    float *states = NULL;
+    if (merge != NULL) items = split_items(b, items, &num_items, &splits, &num_splits, &states);
+    qsort(items, num_items, sizeof(Item), by_cost_descending);
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t i = 0; i < num_items; i++) attend_item(b, &items[i]);
+#pragma omp parallel for schedule(dynamic, 1) if (num_splits > 1)
+    for (int64_t i = 0; i < num_splits; i++) merge(b, &splits[i]);
     free(items);
+    free(splits);
+    free(states);
 }
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -540,12 +625,11 @@ static inline __attribute__((always_inline)) int64_t row_span(int64_t position, 
             first[r] = mode != PLAIN ? window_start(b, position[r]) : 0;                                      \
         }                                                                                                     \
         const int64_t start = mode != PLAIN ? walk_start(b, query_row_position(b, it, 0)) : 0;                \
-        const int64_t num_chunks = item_chunks(b, it, start);                                                 \
         const int capped = mode == CAPPED;                                                                    \
-        Cursor cursor = cursor_start(b, it, start);                                                           \
+        Cursor cursor = cursor_start(b, it, start + it->chunk_begin * CHUNK);                                 \
         cursor_next(&cursor, next);                                                                           \
         cursor_next(&cursor, after_next);                                                                     \
-        for (int64_t chunk = 0; chunk < num_chunks; chunk++) {                                                \
+        for (int64_t chunk = it->chunk_begin; chunk < it->chunk_end; chunk++) {                               \
             const int64_t chunk_start = start + chunk * CHUNK;                                                \
             memcpy(offsets, next, sizeof offsets);                                                            \
             memcpy(next, after_next, sizeof next);                                                            \
@@ -592,9 +676,37 @@ static inline __attribute__((always_inline)) int64_t row_span(int64_t position, 
             }                                                                                                 \
         }                                                                                                     \
         for (int64_t r = 0; r < rows; r++) {                                                                  \
+            if (it->state != NULL) {                                                                          \
+                float *state = it->state + r * (head_dim + 2);                                                \
+                state[0] = m[r];                                                                              \
+                state[1] = l[r];                                                                              \
+                memcpy(state + 2, o + r * head_dim, sizeof(float) * head_dim);                                \
+                continue;                                                                                     \
+            }                                                                                                 \
             T *out_row = (T *)b->out + query_row_offset(b, it, r);                                            \
             const float inv = 1.f / l[r];                                                                     \
             for (int64_t d = 0; d < head_dim; d++) out_row[d] = FROM_FLOAT(o[r * head_dim + d] * inv);        \
+        }                                                                                                     \
+    }                                                                                                         \
+                                                                                                              \
+    /* Each row's parts' states rescaled to their common maximum and summed (log-sum-exp in base 2). */       \
+    static void NAME##_merge(const Batch *b, const Split *split) {                                            \
+        const int64_t head_dim = b->head_dim, stride = state_stride(b);                                       \
+        for (int64_t r = 0; r < item_rows(b, &split->whole); r++) {                                           \
+            float top = -INFINITY, total = 0.f, o[MAX_HEAD_DIM] = {0.f};                                      \
+            for (int64_t p = 0; p < split->parts; p++) {                                                      \
+                const float m = split->states[p * stride + r * (head_dim + 2)];                               \
+                top = m > top ? m : top;                                                                      \
+            }                                                                                                 \
+            for (int64_t p = 0; p < split->parts; p++) {                                                      \
+                const float *state = split->states + p * stride + r * (head_dim + 2);                         \
+                const float weight = exp2_nonpositive(state[0] - top);                                        \
+                total += weight * state[1];                                                                   \
+                for (int64_t d = 0; d < head_dim; d++) o[d] += weight * state[2 + d];                         \
+            }                                                                                                 \
+            T *out_row = (T *)b->out + query_row_offset(b, &split->whole, r);                                 \
+            const float inv = 1.f / total;                                                                    \
+            for (int64_t d = 0; d < head_dim; d++) out_row[d] = FROM_FLOAT(o[d] * inv);                       \
         }                                                                                                     \
     }                                                                                                         \
                                                                                                               \
@@ -1058,7 +1170,7 @@ void paged_attention_write_kv(const char *key, const char *value, char *k_cache,
  * then in an int8 cache their 4-byte scale), K and V alike; `block_tables` int32 rows of `table_stride`; `seq_lens` int32 [num_seqs];
  * `query_start_loc` int32 [num_seqs + 1]. Sequences with no query tokens are skipped. `window` > 0 is a
  * sliding window of that many positions, `softcap` > 0 caps the scaled logits (0: neither). */
-#define DEFINE_ENTRY(NAME, ITEM_FN)                                                                              \
+#define DEFINE_ENTRY(NAME, ITEM_FN, MERGE_FN)                                                                    \
     void NAME(const void *query, const void *k_cache, const void *v_cache, const int32_t *block_tables,         \
               int64_t table_stride, const int32_t *seq_lens, const int32_t *query_start_loc, void *out,         \
               int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,  \
@@ -1084,13 +1196,15 @@ void paged_attention_write_kv(const char *key, const char *value, char *k_cache,
                          window > 0 ? window : 0,                                                               \
                          capped ? scale / softcap : 0.f,                                                        \
                          capped ? softcap * LOG2E : 0.f};                                                       \
-        run_items(&b, num_seqs, capped ? ITEM_FN##_capped : window > 0 ? ITEM_FN##_windowed : ITEM_FN);         \
+        run_items(&b, num_seqs, capped ? ITEM_FN##_capped : window > 0 ? ITEM_FN##_windowed : ITEM_FN,          \
+                  window > 0 ? NULL : MERGE_FN);                                                                \
     }
 
-DEFINE_ENTRY(paged_attention_f32_portable, portable_item_f32)
-DEFINE_ENTRY(paged_attention_bf16_portable, portable_item_bf16)
-DEFINE_ENTRY(paged_attention_f32_int8kv_portable, portable_item_f32_int8kv)
-DEFINE_ENTRY(paged_attention_bf16_int8kv_portable, portable_item_bf16_int8kv)
+DEFINE_ENTRY(paged_attention_f32_portable, portable_item_f32, portable_item_f32_merge)
+DEFINE_ENTRY(paged_attention_bf16_portable, portable_item_bf16, portable_item_bf16_merge)
+DEFINE_ENTRY(paged_attention_f32_int8kv_portable, portable_item_f32_int8kv, portable_item_f32_int8kv_merge)
+DEFINE_ENTRY(paged_attention_bf16_int8kv_portable, portable_item_bf16_int8kv, portable_item_bf16_int8kv_merge)
 #ifdef FAST
-DEFINE_ENTRY(paged_attention_bf16_avx512, fast_item)
+/* its items are never split (its item function keeps no partial state) */
+DEFINE_ENTRY(paged_attention_bf16_avx512, fast_item, NULL)
 #endif
