@@ -18,9 +18,9 @@
  * was built. `gemm_bf16_lut_*` (Q4_0, Q4_1, Q4_K) serves the fewest rows: the 4-bit values go to bf16 through a
  * table, exactly, and each block's sum is scaled after.
  *
- * `gemm_vnni_*` (AVX512-VNNI, bf16 rows) and `gemm_x16_*` (AVX2, float32 rows) read weights repacked at load by
- * `pack_x16`, 16 rows side by side, and multiply them with integer dot products on activations quantized to
- * int16 per block of 32.
+ * `gemm_vnni_*` (AVX512-VNNI, bf16 rows: Q4_0, Q4_1, Q4_K, Q6_K) and `gemm_x16_*` (AVX2, float32 rows: those,
+ * Q8_0 and Q5_K) read weights repacked at load by `pack_x16`, 16 rows side by side, and multiply them with
+ * integer dot products on activations quantized to int16 per block of 32.
  *
  * `dequant_*` writes whole rows as float32 or bf16, for the many-row path (prefill, big batches), where
  * the caller multiplies them with torch's GEMM, and for embedding lookups.
@@ -893,7 +893,7 @@ int has_vnni_gemm(void) { return 0; }
 #endif
 
 
-/* ---- Q4_0, Q4_1 and Q8_0 repacked by pack_x16, on float32 rows quantized to int16 (AVX2) ------------- */
+/* ---- Q4_0, Q4_1, Q8_0 and the K-quants repacked by pack_x16, on float32 rows quantized to int16 (AVX2) -- */
 
 /* The VNNI kernels' layout and activations, for AVX2's vpmaddwd: a run of the X16 rows (4 bytes each) is
  * two 32-byte vectors of 8 rows; split into 16-bit words, each holds a pair of values of each of its rows,
