@@ -254,6 +254,12 @@ class EngineConfig:
         return resolve_dtype(self.dtype)
 
 
+# The names of entrypoints/openai's tool_parsers and reasoning_parsers (kept here, below them in the import order;
+# tests/test_tool_parsers.py and tests/test_reasoning_parsers.py check that they agree).
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")
+REASONING_PARSERS = ("auto", "none", "qwen3", "deepseek_r1")
+
+
 @dataclass(frozen=True, slots=True)
 class ServeOptions:
     """The server's own options (`pagedllm serve` flags come from this list, as the engine's do)."""
@@ -289,8 +295,27 @@ class ServeOptions:
     )
     tool_call_parser: str = option(
         "auto",
-        "how chat replies' tool calls are read; auto: llama3_json for Llama 3 templates, else hermes",
-        domain=Choices(("auto", "hermes", "llama3_json")),
+        "how replies' tool calls are read; auto: from the chat template's markers (hermes when none)",
+        domain=Choices(TOOL_CALL_PARSERS),
+    )
+    reasoning_parser: str = option(
+        "auto",
+        "how a reasoning model's thinking is split from its answer (reasoning_content, reasoning items); auto: "
+        "from the chat template where it is unambiguous (qwen3, deepseek_r1), none: never",
+        domain=Choices(REASONING_PARSERS),
+    )
+    trust_request_chat_template: bool = option(
+        False,
+        "let requests bring their own chat_template (vLLM's flag; a template is code run on the server)",
+        domain=Booleans(),
+    )
+    max_stored_responses: int = option(
+        1000, "most /v1/responses kept for previous_response_id and GET (oldest out first)", domain=POSITIVE_INTS
+    )
+    max_stored_response_bytes: int = option(
+        64 << 20,
+        "most bytes of stored /v1/responses, their conversations included (oldest out first)",
+        domain=Integers(1, INT64_MAX),
     )
     # What one request may ask for: over these, a 400 names the field and the flag.
     max_n: int = option(

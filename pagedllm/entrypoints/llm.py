@@ -82,16 +82,31 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """One conversation or a list of them, each rendered by the model's chat template."""
+        """One conversation or a list of them, each rendered by the model's chat template (or `chat_template`),
+        which also gets `chat_template_kwargs` (Qwen3's `enable_thinking`, say)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.render_chat(c, add_generation_prompt) for c in conversations]
+        prompts = [
+            self.render_chat(
+                c, add_generation_prompt, chat_template=chat_template, template_kwargs=chat_template_kwargs
+            )
+            for c in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def render_chat(
-        self, conversation: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict] | None = None
+        self,
+        conversation: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        chat_template: str | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> dict:
-        return render_chat(self.engine.tokenizer, conversation, add_generation_prompt, tools)
+        return render_chat(
+            self.engine.tokenizer, conversation, add_generation_prompt, tools, chat_template, template_kwargs
+        )
 
     def _add_all(
         self,
@@ -119,13 +134,21 @@ def render_chat(
     conversation: list[dict[str, Any]],
     add_generation_prompt: bool = True,
     tools: list[dict] | None = None,
+    chat_template: str | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> dict:
-    """The conversation through the chat template; `tools` (OpenAI's function definitions) go to templates that
-    show them to the model, and messages may carry `tool_calls` and tool results as transformers expects them."""
-    if not tokenizer.chat_template:
+    """The conversation through the chat template (the tokenizer's, or `chat_template`); `tools` (OpenAI's
+    function definitions) go to templates that show them to the model, and messages may carry `tool_calls` and
+    tool results as transformers expects them; `template_kwargs` are the template's own variables."""
+    if not (chat_template or tokenizer.chat_template):
         raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
     text = tokenizer.apply_chat_template(
-        conversation, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
+        conversation,
+        tools=tools,
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+        chat_template=chat_template,
+        **(template_kwargs or {}),
     )
     # The template already holds any BOS it wants; tokenizing must not add a second.
     return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}

@@ -1,6 +1,7 @@
 """`pagedllm serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over `AsyncLLMEngine`.
 
-`/v1/completions` and `/v1/chat/completions` (server-sent events when `stream` is true; their own modules),
+`/v1/completions`, `/v1/chat/completions` and `/v1/responses` (server-sent events when `stream` is true; their own
+modules; stored responses read, deleted and cancelled at `/v1/responses/{id}`),
 `/v1/models` (base names and LoRA adapters), `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` (with
 `--enable-lora`), `/tokenize`, `/detokenize`, `/health` and `/metrics`. Every error has OpenAI's shape,
 `{"error": {"message", "type", "param", "code"}}`, with `param` naming the offending field.
@@ -34,6 +35,7 @@ from pagedllm.entrypoints.openai import protocol
 from pagedllm.entrypoints.openai.async_engine import AsyncLLMEngine, EngineStoppedError
 from pagedllm.entrypoints.openai.kv_page import mount_kv_page
 from pagedllm.entrypoints.openai.metrics import METRICS_CONTENT_TYPE, ServerMetrics
+from pagedllm.entrypoints.openai.response_store import ResponseStore
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_common import (
     ApiError,
@@ -43,8 +45,9 @@ from pagedllm.entrypoints.openai.serving_common import (
     ServingLimits,
 )
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 
-_GENERATING_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+_GENERATING_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
 _SHUTDOWN_BACKSTOP_S = 3.0  # after the grace period and the aborts, uvicorn cancels whatever still runs
 
 
@@ -143,11 +146,27 @@ def build_app(
     limits = ServingLimits.from_options(options)
     loras = loras or LoRARegistry(base_names=names)
     completion = OpenAIServingCompletion(engine, render_chat, names, limits=limits, loras=loras)
-    chat = OpenAIServingChat(engine, render_chat, names, options.tool_call_parser, limits=limits, loras=loras)
+    chat = OpenAIServingChat(
+        engine,
+        render_chat,
+        names,
+        options.tool_call_parser,
+        options.reasoning_parser,
+        limits=limits,
+        loras=loras,
+        trust_request_chat_template=options.trust_request_chat_template,
+    )
+    store = ResponseStore(options.max_stored_responses, options.max_stored_response_bytes)
+    engine.metrics.watch_responses(lambda: store.count, lambda: store.bytes)
+    responses = OpenAIServingResponses(chat, store)
     info = _ServingInfo(engine, render_chat, names, loras=loras)
     app = FastAPI(title="pagedllm", lifespan=lifespan)
     app.post("/v1/completions")(completion.create)
     app.post("/v1/chat/completions")(chat.create)
+    app.post("/v1/responses")(responses.create)
+    app.get("/v1/responses/{response_id}")(responses.retrieve)
+    app.delete("/v1/responses/{response_id}")(responses.delete)
+    app.post("/v1/responses/{response_id}/cancel")(responses.cancel)
     app.get("/v1/models")(info.models)
     app.post("/v1/load_lora_adapter", response_class=PlainTextResponse)(info.load_lora_adapter)
     app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)(info.unload_lora_adapter)

@@ -7,6 +7,7 @@ Each server owns its registry, so two servers in one process (tests) never share
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -69,6 +70,17 @@ class ServerMetrics:
             buckets=_E2E_BUCKETS,
             registry=registry,
         )
+
+    def watch_responses(self, count: Callable[[], float], size: Callable[[], float]) -> None:
+        """Gauges read at each scrape: how many /v1/responses are stored, and their bytes."""
+        Gauge(
+            "pagedllm:responses_stored", "Responses kept for previous_response_id", registry=self.registry
+        ).set_function(count)
+        Gauge(
+            "pagedllm:responses_stored_bytes",
+            "Bytes of the stored responses and their conversations",
+            registry=self.registry,
+        ).set_function(size)
 
     def observe_engine(self, stats: EngineStats) -> None:
         for name, (stat, _) in _GAUGES.items():

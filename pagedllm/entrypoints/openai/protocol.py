@@ -125,6 +125,7 @@ def _has_lone_surrogate(value: object) -> bool:
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # OpenAI's padding against length side channels; none is added
 
 
 class JsonSchemaFormat(_Strict):
@@ -136,10 +137,12 @@ class JsonSchemaFormat(_Strict):
 
 class ResponseFormat(_Strict):
     """OpenAI's `response_format`. The type is checked here rather than by a Literal so that an unknown one
-    is an error naming `response_format` with the types we know."""
+    is an error naming `response_format` with the types we know. `schema` beside `json_object` is what
+    Instructor's JSON_SCHEMA mode, Together and Anyscale send: the reply is held to that schema."""
 
     type: str
     json_schema: JsonSchemaFormat | None = None
+    schema_: JsonSchema | None = Field(None, alias="schema")
 
     @model_validator(mode="after")
     def _known_type(self) -> ResponseFormat:
@@ -147,6 +150,8 @@ class ResponseFormat(_Strict):
             raise ValueError(f"unknown type {self.type!r}: use 'text', 'json_object' or 'json_schema'")
         if (self.type == "json_schema") != (self.json_schema is not None):
             raise ValueError("json_schema is required with type 'json_schema', and only with it")
+        if self.schema_ is not None and self.type != "json_object":
+            raise ValueError("schema goes with type 'json_object' (with 'json_schema', inside json_schema)")
         return self
 
 
@@ -368,6 +373,26 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # vLLM's: passed to the chat template (`enable_thinking`, say), and a template of the request's own
+    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = Field(None, min_length=1)
+    # OpenAI's fields that pagedllm does not act on: field_policy.CHAT says what becomes of each.
+    audio: Any = None
+    modalities: list[str] | None = None
+    functions: Any = None
+    function_call: Any = None
+    web_search_options: Any = None
+    moderation: Any = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    prediction: Any = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: Any = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -481,6 +506,7 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None  # vLLM's: a reasoning model's thinking (--reasoning-parser)
     tool_calls: list[ToolCall] | None = None
 
 
@@ -498,7 +524,7 @@ class ChatCompletionResponse(_Reply):
 
 class DeltaFunctionCall(BaseModel):
     name: str | None = None
-    arguments: str
+    arguments: str = ""
 
 
 class DeltaToolCall(BaseModel):
@@ -511,6 +537,7 @@ class DeltaToolCall(BaseModel):
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

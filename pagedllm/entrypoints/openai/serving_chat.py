@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse
 
-from pagedllm.entrypoints.openai import protocol, tool_parsers
+from pagedllm.entrypoints.openai import field_policy, protocol, reasoning_parsers, replies, tool_parsers
 from pagedllm.entrypoints.openai import serving_common as common
 from pagedllm.entrypoints.openai.async_engine import RequestGroup
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -26,15 +26,41 @@ class _ToolUse:
     parser: tool_parsers.ToolParser | None  # how tool calls are read from the reply; None: a plain reply
 
 
+@dataclass(frozen=True, slots=True)
+class ChatRun:
+    """A chat call's requests in the engine, and how their replies are read."""
+
+    group: RequestGroup
+    params: common.EngineParams
+    reader: replies.ReplyReader
+
+
 @dataclass(frozen=True)
 class OpenAIServingChat(common.OpenAIServing):
     tool_call_parser: str = "auto"
+    reasoning_parser: str = "auto"
 
     async def create(self, body: protocol.ChatCompletionRequest, request: Request) -> Response:
+        ignored = field_policy.ignored_fields(body, field_policy.CHAT)
         call = self._call("chatcmpl", body.model)
+        run = await self.start(body, call)
+        top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        shape = _ChatShape(call, top_logprobs, run.reader)
+        headers = field_policy.header(ignored)
+        if body.stream:
+            chunks = _chat_chunks(shape, run.group, body.n, common.holdback(run.params), body.include_usage)
+            return common.event_stream(chunks, run.group, headers)
+        (final,) = await common.finals_or_abort(run.group, request)
+        return JSONResponse(shape.response(final, body.prompt_logprobs).model_dump(), headers=headers)
+
+    async def start(self, body: protocol.ChatCompletionRequest, call: common.Call) -> ChatRun:
+        """Check, render and add the call's request: the path every chat-shaped call takes (the Responses API's
+        too)."""
         self._check(body)
-        tools = self._tool_use(body)
-        prompt = await self._render(body.messages, body.add_generation_prompt, tools.offered)
+        template = self._template(body)
+        tools = self._tool_use(body, template)
+        rendering = common.Rendering(template, body.chat_template, body.chat_template_kwargs)
+        prompt = await self._render(body.messages, body.add_generation_prompt, tools.offered, rendering=rendering)
         constraint = common.constraint(body, *filter(None, [tools.constraint]))
         _, max_tokens = body.max_output
         top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -47,21 +73,26 @@ class OpenAIServingChat(common.OpenAIServing):
         group = await self._add(
             [prompt], body.cache_salt, params, param="messages", constraint=constraint, lora_request=call.lora_request
         )
-        shape = _ChatShape(call, top_logprobs, tools.parser)
-        if body.stream:
-            chunks = _chat_chunks(shape, group, body.n, common.holdback(params), body.include_usage)
-            return common.event_stream(chunks, group)
-        (final,) = await common.finals_or_abort(group, request)
-        return JSONResponse(shape.response(final, body.prompt_logprobs).model_dump())
+        reasoning = reasoning_parsers.get_reasoning_parser(self.reasoning_parser, template)
+        return ChatRun(group, params, replies.ReplyReader(reasoning, tools.parser))
 
-    def _tool_use(self, body: protocol.ChatCompletionRequest) -> _ToolUse:
+    def _template(self, body: protocol.ChatCompletionRequest) -> str | None:
+        """The chat template this request renders with: its own only where the server trusts requests' templates
+        (vLLM's rule: a template runs code-like logic over every request it renders)."""
+        if body.chat_template is None:
+            return self.engine.tokenizer.chat_template
+        if not self.trust_request_chat_template:
+            message = "chat_template is refused unless the server runs with --trust-request-chat-template"
+            raise common.ApiError(400, message, param="chat_template")
+        return body.chat_template
+
+    def _tool_use(self, body: protocol.ChatCompletionRequest, template: str | None) -> _ToolUse:
         choice = body.tool_choice or ("auto" if body.tools else "none")
         if choice == "none":
             return _ToolUse(None, None, None)
         if not body.tools:
             raise common.ApiError(400, f"tool_choice {_choice_name(choice)} needs tools", param="tool_choice")
         offered = [tool.model_dump(exclude_none=True) for tool in body.tools]
-        template = self.engine.tokenizer.chat_template
         if choice == "auto":
             return _ToolUse(offered, None, tool_parsers.auto_parser(self.tool_call_parser, template))
         if choice == "required":
@@ -84,23 +115,20 @@ def _json_constraint(schema: dict) -> common.Constraint:
     return common.Constraint("tool_choice", StructuredOutputsParams(json=schema))
 
 
-def _call_id() -> str:
+def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-@dataclass(frozen=True, slots=True)
-class _Reply:
-    """A finished completion's text as the client sees it: content and tool calls."""
+def finish_reason(completion: CompletionOutput, reading: replies.Reading) -> str | None:
+    """A reply the length limit cut says so, calls or not: the calls given are those completed before the cut."""
+    return "tool_calls" if reading.calls and completion.finish_reason != "length" else completion.finish_reason
 
-    parsed: tool_parsers.Parsed
-    finish_reason: str | None
 
-    @classmethod
-    def of(cls, completion: CompletionOutput, parser: tool_parsers.ToolParser | None) -> _Reply:
-        parsed = parser.parse(completion.text) if parser is not None else tool_parsers.Parsed(completion.text)
-        # A reply the length limit cut says so, calls or not: the calls given are those completed before the cut.
-        called = parsed.calls and completion.finish_reason != "length"
-        return cls(parsed, "tool_calls" if called else completion.finish_reason)
+def tool_calls(reading: replies.Reading) -> list[protocol.ToolCall]:
+    return [
+        protocol.ToolCall(id=call_id(), function=protocol.FunctionCall(name=c.name, arguments=c.arguments))
+        for c in reading.calls
+    ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +137,7 @@ class _ChatShape:
 
     call: common.Call
     k: int | None  # top_logprobs, when logprobs are asked for
-    parser: tool_parsers.ToolParser | None
+    reader: replies.ReplyReader
 
     def response(self, final: RequestOutput, prompt_logprobs: int | None) -> protocol.ChatCompletionResponse:
         choices = [self._choice(completion) for completion in final.outputs]
@@ -119,16 +147,15 @@ class _ChatShape:
         return response
 
     def _choice(self, completion: CompletionOutput) -> protocol.ChatChoice:
-        reply = _Reply.of(completion, self.parser)
-        calls = [
-            protocol.ToolCall(id=_call_id(), function=protocol.FunctionCall(name=c.name, arguments=c.arguments))
-            for c in reply.parsed.calls
-        ]
+        reading = self.reader.read(completion.text)
+        message = protocol.AssistantMessage(
+            content=reading.content, reasoning_content=reading.reasoning, tool_calls=tool_calls(reading) or None
+        )
         return protocol.ChatChoice(
             index=completion.index,
-            message=protocol.AssistantMessage(content=reply.parsed.content, tool_calls=calls or None),
+            message=message,
             logprobs=_chat_logprobs(completion, range(len(completion.token_ids)), self.k),
-            finish_reason=reply.finish_reason,
+            finish_reason=finish_reason(completion, reading),
             stop_reason=completion.stop_reason,
         )
 
@@ -140,7 +167,7 @@ async def _chat_chunks(
     role = protocol.Delta(role="assistant", content="")
     roles = [protocol.ChatChunkChoice(index=i, delta=role) for i in range(n)]
     yield shape.call.wrap(protocol.ChatCompletionChunk, roles)
-    chunk_choice = _ChunkChoices(shape.k, shape.parser)
+    chunk_choice = _ChunkChoices(shape.k, shape.reader)
     kind = protocol.ChatCompletionChunk
     async for chunk in common.stream_chunks(shape.call, kind, group, holdback, include_usage, chunk_choice):
         yield chunk
@@ -148,62 +175,62 @@ async def _chat_chunks(
 
 @dataclass(slots=True)
 class _ChunkChoices:
-    """Makes the stream's choices. Without tools, each piece's text goes out as it comes. With them, content
-    goes out only up to where a tool call may begin (`ToolParser.settled`); when the reply finishes, it is
-    parsed as the whole reply is, and the rest of the content and every tool call go out with the finish
-    reason, so that the stream adds up to the non-streamed reply."""
+    """Makes the stream's choices. Reasoning and content go out as far as they are settled (`ReplyStream`: a
+    think tag or a tool call may still begin); when the reply finishes, it is read as the whole reply is, and the
+    rest goes out with the finish reason, each tool call as OpenAI streams one: its id and name first, then its
+    arguments, so that the stream adds up to the non-streamed reply."""
 
     k: int | None
-    parser: tool_parsers.ToolParser | None
-    held: dict[int, _Held] = field(default_factory=dict)  # per completion index
+    reader: replies.ReplyReader
+    streams: dict[int, replies.ReplyStream] = field(default_factory=dict)  # per completion index
 
-    def __call__(self, piece: common.Piece) -> protocol.ChatChunkChoice | None:
+    def __call__(self, piece: common.Piece) -> list[protocol.ChatChunkChoice] | None:
         completion = piece.completion
-        delta, finish_reason = self._delta(piece)
-        moved = delta.content or delta.tool_calls or finish_reason is not None
-        if not (moved or (piece.tokens and self.k is not None)):
+        stream = self.streams.setdefault(completion.index, self.reader.stream())
+        if completion.finish_reason is None:
+            released, reading = stream.advance(piece.text), None
+        else:
+            released, reading = stream.finish(piece.text)
+        delta = protocol.Delta(content=released.content or None, reasoning_content=released.reasoning or None)
+        finished = reading is not None
+        if not (delta.content or delta.reasoning_content or finished or (piece.tokens and self.k is not None)):
             return None
+        logprobs = _chat_logprobs(completion, piece.tokens, self.k)
+        calls = _call_deltas(reading.calls) if reading is not None else []
+        if not calls:
+            reason = finish_reason(completion, reading) if reading is not None else None
+            return [self._choice(completion, delta, logprobs, reason)]
+        # The content first, then each call's name and its arguments; the last piece carries the finish reason.
+        pieces = [protocol.Delta(tool_calls=[call]) for call in calls]
+        if delta.content or delta.reasoning_content:
+            pieces.insert(0, delta)
+        choices = [self._choice(completion, d, None, None) for d in pieces]
+        choices[0].logprobs = logprobs
+        choices[-1].finish_reason = finish_reason(completion, reading)
+        return choices
+
+    @staticmethod
+    def _choice(
+        completion: CompletionOutput, delta: protocol.Delta, logprobs: protocol.ChatLogprobs | None, reason: str | None
+    ) -> protocol.ChatChunkChoice:
         return protocol.ChatChunkChoice(
             index=completion.index,
             delta=delta,
-            logprobs=_chat_logprobs(completion, piece.tokens, self.k),
-            finish_reason=finish_reason,
-            stop_reason=completion.stop_reason,
+            logprobs=logprobs,
+            finish_reason=reason,
+            stop_reason=completion.stop_reason if reason is not None else None,
         )
 
-    def _delta(self, piece: common.Piece) -> tuple[protocol.Delta, str | None]:
-        completion = piece.completion
-        if self.parser is None:
-            return protocol.Delta(content=piece.text), completion.finish_reason
-        held = self.held.setdefault(completion.index, _Held())
-        held.text += piece.text
-        if completion.finish_reason is None:
-            return protocol.Delta(content=held.release(self.parser.settled(held.text))), None
-        reply = _Reply.of(completion, self.parser)
-        content = (reply.parsed.content or "")[held.sent :]
-        calls = [
-            protocol.DeltaToolCall(
-                index=i,
-                id=_call_id(),
-                type="function",
-                function=protocol.DeltaFunctionCall(name=c.name, arguments=c.arguments),
-            )
-            for i, c in enumerate(reply.parsed.calls)
-        ]
-        return protocol.Delta(content=content or None, tool_calls=calls or None), reply.finish_reason
 
-
-@dataclass(slots=True)
-class _Held:
-    """A streamed reply's text so far, and how much of it went out as content."""
-
-    text: str = ""
-    sent: int = 0
-
-    def release(self, settled: int) -> str:
-        released = self.text[self.sent : settled]
-        self.sent = max(self.sent, settled)
-        return released
+def _call_deltas(calls: tuple[tool_parsers.ParsedCall, ...]) -> list[protocol.DeltaToolCall]:
+    deltas = []
+    for index, call in enumerate(calls):
+        name = protocol.DeltaFunctionCall(name=call.name)
+        deltas.append(protocol.DeltaToolCall(index=index, id=call_id(), type="function", function=name))
+        deltas.append(
+            protocol.DeltaToolCall(index=index, function=protocol.DeltaFunctionCall(arguments=call.arguments))
+        )
+    return deltas
 
 
 def _chat_logprobs(completion: CompletionOutput, tokens: range, k: int | None) -> protocol.ChatLogprobs | None:

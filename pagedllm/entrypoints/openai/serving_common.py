@@ -11,6 +11,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, fields
+from functools import partial
 from typing import Any, TypeVar
 
 import jinja2
@@ -36,7 +37,8 @@ from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 _OWN_WAY = {"temperature", "max_tokens", "logprobs", "best_of", "prompt_logprobs", "structured_outputs"}
 _SHARED_SAMPLING_FIELDS = [spec.name for spec in fields(SamplingParams) if spec.name not in _OWN_WAY]
 Reply = TypeVar("Reply", bound=BaseModel)  # a whole response, or one chunk of a stream
-RenderChat = Callable[[list[dict[str, Any]], bool, list[dict] | None], dict]
+# (conversation, add_generation_prompt, tools, chat_template, template_kwargs) -> the prompt with its token ids
+RenderChat = Callable[[list[dict[str, Any]], bool, list[dict] | None, str | None, dict[str, Any] | None], dict]
 EngineParams = SamplingParams | BeamSearchParams
 GenerateRequest = protocol.CompletionRequest | protocol.ChatCompletionRequest
 # Fields beam search has no use for: given with use_beam_search, they would be ignored, so they are refused.
@@ -185,6 +187,7 @@ class OpenAIServing:
     # Keyword-only, so that subclasses' own fields keep their places in the constructor's arguments.
     limits: ServingLimits = field(default=DEFAULT_LIMITS, kw_only=True)
     loras: LoRARegistry = field(default_factory=LoRARegistry, kw_only=True)
+    trust_request_chat_template: bool = field(default=False, kw_only=True)
 
     def _call(self, prefix: str, model: str | None) -> Call:
         name = self._model(model)
@@ -218,15 +221,19 @@ class OpenAIServing:
         add_generation_prompt: bool,
         tools: list[dict] | None = None,
         bounded: bool = True,
+        rendering: Rendering | None = None,
     ) -> dict:
         """The chat through its template, with its token ids, rendered on a thread (the tokenizer releases the
         GIL, so the event loop keeps serving). `bounded`: messages certainly too long for the model are refused
         first, unrendered (`/tokenize` counts any length)."""
         if bounded:
             self._check_text_fits("".join(message.text for message in messages), "messages")
-        conversation, tools = tool_parsers.conversation(messages, tools, self.engine.tokenizer.chat_template)
+        rendering = rendering or Rendering(self.engine.tokenizer.chat_template)
+        rendering.check()
+        conversation, tools = tool_parsers.conversation(messages, tools, rendering.template)
+        render = partial(self.render_chat, conversation, add_generation_prompt, tools)
         try:
-            return await asyncio.to_thread(self.render_chat, conversation, add_generation_prompt, tools)
+            return await asyncio.to_thread(render, rendering.chat_template, rendering.kwargs)
         except (ValueError, TypeError, jinja2.TemplateError) as error:
             raise ApiError(400, f"cannot apply the chat template: {error}", param="messages") from error
 
@@ -282,6 +289,44 @@ class OpenAIServing:
         return max(self.engine.max_model_len - longest, 1)
 
 
+# apply_chat_template's own arguments: a template kwarg of one of these names would replace what the server passes.
+_RESERVED_TEMPLATE_ARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Rendering:
+    """How one request's chat is rendered: the template in force (the model's, or the request's own
+    `chat_template`) and the request's `chat_template_kwargs`."""
+
+    template: str | None
+    chat_template: str | None = None  # the request's own, if any
+    kwargs: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        reserved = sorted(_RESERVED_TEMPLATE_ARGS & set(self.kwargs or ()))
+        if reserved:
+            message = f"chat_template_kwargs may not set {', '.join(reserved)}: the request's own fields do"
+            raise ApiError(400, message, param="chat_template_kwargs")
+
+
 @dataclass(frozen=True, slots=True)
 class Constraint:
     """A structured-output constraint and the request field it came from, which its errors name."""
@@ -302,9 +347,7 @@ def constraint(body: protocol.SamplingRequest, *more: Constraint) -> Constraint 
 def _requested_constraints(body: protocol.SamplingRequest) -> list[Constraint]:
     found = []
     if body.response_format is not None and body.response_format.type != "text":
-        schema = body.response_format.json_schema
-        spec = {"json": schema.schema_} if schema is not None else {"json_object": True}
-        found.append(_constraint("response_format", spec))
+        found.append(_constraint("response_format", _format_spec(body.response_format)))
     if body.structured_outputs is not None:
         found.append(
             _constraint("structured_outputs", body.structured_outputs.model_dump(by_alias=True, exclude_none=True))
@@ -314,6 +357,15 @@ def _requested_constraints(body: protocol.SamplingRequest) -> list[Constraint]:
         if getattr(body, param) is not None:
             found.append(_constraint(param, {kind: getattr(body, param)}))
     return found
+
+
+def _format_spec(response_format: protocol.ResponseFormat) -> dict:
+    """json_schema's schema; json_object's own schema where the client gave one; else any JSON object."""
+    if response_format.json_schema is not None:
+        return {"json": response_format.json_schema.schema_}
+    if response_format.schema_ is not None:
+        return {"json": response_format.schema_}
+    return {"json_object": True}
 
 
 def _constraint(param: str, spec: dict) -> Constraint:
@@ -444,11 +496,14 @@ async def _disconnected(request: Request) -> None:
 # ---- a stream -------------------------------------------------------------------------------
 
 
-def event_stream(chunks: AsyncIterator[BaseModel], group: RequestGroup) -> StreamingResponse:
+def event_stream(
+    chunks: AsyncIterator[BaseModel], group: RequestGroup, headers: dict[str, str] | None = None
+) -> StreamingResponse:
     # The background abort covers a client that leaves before the first chunk, when `_sse` never starts;
     # aborting a finished group does nothing.
     events = _sse(chunks, group)
-    return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(group.abort))
+    abort = BackgroundTask(group.abort)
+    return StreamingResponse(events, media_type="text/event-stream", headers=headers, background=abort)
 
 
 async def _sse(chunks: AsyncIterator[BaseModel], group: RequestGroup) -> AsyncIterator[str]:
@@ -482,7 +537,8 @@ class Piece:
         return bool(self.text or self.completion.finish_reason is not None or (self.tokens and logprobs is not None))
 
 
-MakeChoice = Callable[[Piece], BaseModel | None]  # None: the piece is not worth a choice
+# None: the piece is not worth a choice; several: the first in this chunk, each next one in a chunk of its own
+MakeChoice = Callable[[Piece], BaseModel | list[BaseModel] | None]
 
 
 async def stream_chunks(
@@ -493,15 +549,18 @@ async def stream_chunks(
     cursors: dict[tuple[int, int], _Cursor] = {}
     finals: dict[int, RequestOutput] = {}
     async for prompt_index, output in group:
-        choices = []
+        rounds: list[list[BaseModel]] = []  # the chunks this output makes: each completion's choices in turn
         for completion in output.outputs:
             cursor = cursors.setdefault((prompt_index, completion.index), _Cursor(holdback))
             moved = cursor.advance(completion)
             made = None if moved is None else choice(Piece(prompt_index, output, completion, *moved, not cursor.shown))
             if made is not None:
                 cursor.shown = True
-                choices.append(made)
-        if choices:
+                for number, one in enumerate(made if isinstance(made, list) else [made]):
+                    if number == len(rounds):
+                        rounds.append([])
+                    rounds[number].append(one)
+        for choices in rounds:
             yield call.wrap(kind, choices)
         if output.finished:
             finals[prompt_index] = output

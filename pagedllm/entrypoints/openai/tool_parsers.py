@@ -5,13 +5,23 @@ A chat template that knows tools gets them (and the messages) as transformers ex
 (SmolLM2's, say) would drop them silently, so the conversation is rewritten in the Hermes format instead,
 as Qwen's and Hermes' templates render it: the tools in the system prompt, the assistant's calls as
 `<tool_call>` JSON in its content, and tool results as `<tool_response>` in a user turn.
+
+The reply parsers, by vLLM's `--tool-call-parser` names (`TOOL_CALL_PARSERS`; "auto" picks by the chat template):
+- `hermes` (Hermes, Qwen2.5, Qwen3): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, possibly several.
+- `llama3_json` (alias `llama4_json`): the whole reply is `{"name": ..., "parameters": {...}}`, several joined by `;`.
+- `mistral`: `[TOOL_CALLS]` then a JSON array of calls (tokenizers before v11) or `name[ARGS]{...}` per call.
+- `pythonic` (alias `llama4_pythonic`; Llama 3.2, Llama 4, Gemma 3): a Python list of calls as the whole reply, or
+  inside `<|python_start|>`…`<|python_end|>` or a ```` ```tool_code ```` block after some text.
+- `phi4_mini_json` (Phi-4-mini): `functools[{"name": ..., "arguments": {...}}, ...]`.
+- `functiongemma` (FunctionGemma): `<start_function_call>call:name{key:<escape>text<escape>,n:1}<end_function_call>`.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -208,6 +218,305 @@ def _json_values(body: str) -> list[object]:
         position = len(body) - len(rest[1:].lstrip())
 
 
+# What the parsers below share. The text after the last call (a closing remark) is content too, after the text
+# before the first; a stream holds back everything from the first marker on (`_settled`), so the content it sent
+# before the marker always begins the final content, whichever way the calls then parse.
+
+_UNPARSED = (SyntaxError, ValueError, TypeError, RecursionError)  # what a malformed call may raise (_NotACall too)
+
+
+def _arguments_json(arguments: dict[str, Any]) -> str:
+    """Arguments as JSON text; a value JSON cannot hold (a set, bytes, NaN or inf) makes no call."""
+    try:
+        return json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as error:
+        raise _NotACall(arguments) from error
+
+
+def _content(before: str, after: str = "") -> str | None:
+    """The content around the calls: blank space alone is none (and `_settled` never sends it)."""
+    text = before + (after if after.strip() else "")
+    return text if text.strip() else None
+
+
+def _settled(text: str, markers: Sequence[str]) -> int:
+    """The content an unfinished reply has settled: up to the first marker, or all but an end that may grow into
+    one; none while that is blank space, which `_content` drops when a call follows."""
+    starts = [start for marker in markers if (start := text.find(marker)) >= 0]
+    end = min(starts) if starts else len(text) - max(_partial_marker(text, marker) for marker in markers)
+    return end if text[:end].strip() else 0
+
+
+def _until(text: str, end: str) -> tuple[str, str]:
+    """`text` split at `end` (dropped); all of it if `end` is missing, as when the length limit cut the reply."""
+    body, _, rest = text.partition(end)
+    return body, rest
+
+
+class MistralParser:
+    """Mistral's `[TOOL_CALLS]`: then a JSON array of `{"name": ..., "arguments": {...}}` (tokenizers before v11),
+    or, from v11 on, `name[ARGS]{...}` (`[ARGS]` is missing where the tokenizer drops it), the marker again before
+    each further call. The text before the first marker is content."""
+
+    _MARKER = "[TOOL_CALLS]"
+    _NAME = re.compile(r"([\w.\-]+)[ \t]*(?:\[ARGS\])?[ \t]*")
+
+    def parse(self, text: str) -> Parsed:
+        start = text.find(self._MARKER)
+        if start < 0:
+            return Parsed(text)
+        try:
+            calls, end = self._calls(text, start)
+        except _UNPARSED:
+            return Parsed(text)
+        return Parsed(_content(text[:start], text[end:]), calls)
+
+    def settled(self, text: str) -> int:
+        return _settled(text, (self._MARKER,))
+
+    def _calls(self, text: str, position: int) -> tuple[tuple[ParsedCall, ...], int]:
+        """The calls from the marker at `position`, and where the text after them begins."""
+        decoder = json.JSONDecoder()
+        calls: list[ParsedCall] = []
+        end = position
+        while text.startswith(self._MARKER, position):
+            position = _WHITESPACE.match(text, position + len(self._MARKER)).end()
+            if text.startswith("[", position):
+                items, position = decoder.raw_decode(text, position)
+                if not isinstance(items, list) or not items:
+                    raise _NotACall(items)
+                calls.extend(_call(item) for item in items)
+            else:
+                name = self._NAME.match(text, position)
+                if name is None:
+                    raise _NotACall(text[position : position + 20])
+                arguments, position = decoder.raw_decode(text, name.end())
+                if not isinstance(arguments, dict):
+                    raise _NotACall(arguments)
+                calls.append(ParsedCall(name[1], _arguments_json(arguments)))
+            end = position
+            position = _WHITESPACE.match(text, position).end()
+        return tuple(calls), end
+
+
+class PythonicParser:
+    """Calls as a Python list, `[get_weather(city="Paris"), get_time(city="Rome")]`, read with `ast`: keyword
+    arguments whose values are literals (strings, numbers, booleans, None, lists, dicts), nothing is evaluated.
+    As in vLLM the list is the whole reply (Llama 3.2's and Gemma 3's format: a bare `[` later in a reply is text's).
+    Llama 4 may wrap it in `<|python_start|>`…`<|python_end|>`, and Gemma 3 prompted Google's other way writes a
+    ```` ```tool_code ```` block (calls one per line, `print(...)` around one allowed); the text before either is
+    content."""
+
+    _START, _END = "<|python_start|>", "<|python_end|>"
+    _FENCE, _FENCE_END = "```tool_code", "```"
+
+    def parse(self, text: str) -> Parsed:
+        whole = text.strip()
+        try:
+            if whole.startswith("["):
+                return Parsed(None, _python_calls(whole, lines=False))
+            start = min((s for s in (text.find(self._START), text.find(self._FENCE)) if s >= 0), default=-1)
+            if start < 0:
+                return Parsed(text)
+            calls, rest = self._wrapped(text[start:])
+        except _UNPARSED:
+            return Parsed(text)
+        return Parsed(_content(text[:start], rest), calls)
+
+    def settled(self, text: str) -> int:
+        if text.lstrip().startswith("["):  # the reply may be a call list: nothing is sure until it ends
+            return 0
+        return _settled(text, (self._START, self._FENCE))
+
+    def _wrapped(self, text: str) -> tuple[tuple[ParsedCall, ...], str]:
+        if text.startswith(self._START):
+            body, rest = _until(text[len(self._START) :], self._END)
+            return _python_calls(body, lines=False), rest
+        body, rest = _until(text[len(self._FENCE) :], self._FENCE_END)
+        return _python_calls(body, lines=True), rest
+
+
+def _python_calls(source: str, lines: bool) -> tuple[ParsedCall, ...]:
+    """The calls of one list expression, or with `lines` of any number of statements, each a call list or a call
+    (`print(call)` as the call)."""
+    statements = ast.parse(source.strip()).body
+    if not statements or (not lines and len(statements) > 1):
+        raise _NotACall(source)
+    calls: list[ParsedCall] = []
+    for statement in statements:
+        if not isinstance(statement, ast.Expr):
+            raise _NotACall(source)
+        value = statement.value
+        if isinstance(value, ast.List) and value.elts:
+            calls.extend(_python_call(element) for element in value.elts)
+        elif lines and isinstance(value, ast.Call):
+            calls.append(_python_call(_unprinted(value)))
+        else:
+            raise _NotACall(source)
+    return tuple(calls)
+
+
+def _unprinted(call: ast.Call) -> ast.expr:
+    printed = isinstance(call.func, ast.Name) and call.func.id == "print" and len(call.args) == 1
+    return call.args[0] if printed and not call.keywords else call
+
+
+def _python_call(node: ast.expr) -> ParsedCall:
+    """`name(key=literal, ...)`: a positional argument has no name to go by, so it makes no call."""
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+        raise _NotACall(ast.dump(node))
+    arguments: dict[str, Any] = {}
+    for keyword in node.keywords:
+        if keyword.arg is None:  # **spread
+            raise _NotACall(ast.dump(node))
+        arguments[keyword.arg] = ast.literal_eval(keyword.value)  # ValueError where it is no literal
+    return ParsedCall(node.func.id, _arguments_json(arguments))
+
+
+class Phi4MiniJsonParser:
+    """Phi-4-mini's `functools[{"name": ..., "arguments": {...}}, ...]` (no closing marker). vLLM drops the text
+    around it; here it is content, as with the other parsers."""
+
+    _MARKER = "functools["
+
+    def parse(self, text: str) -> Parsed:
+        start = text.find(self._MARKER)
+        if start < 0:
+            return Parsed(text)
+        try:
+            items, end = json.JSONDecoder().raw_decode(text, start + len(self._MARKER) - 1)
+            if not isinstance(items, list) or not items:
+                raise _NotACall(items)
+            calls = tuple(_call(item) for item in items)
+        except _UNPARSED:
+            return Parsed(text)
+        return Parsed(_content(text[:start], text[end:]), calls)
+
+    def settled(self, text: str) -> int:
+        return _settled(text, (self._MARKER,))
+
+
+class FunctionGemmaParser:
+    """FunctionGemma's `<start_function_call>call:name{key:value,...}<end_function_call>`, possibly several. Its
+    chat template writes strings between `<escape>` tags and everything else bare (numbers, true/false/null, and
+    `{k:v}` / `[a,b]` nested), so an escaped value stays a string. The end tag of a last call the length limit cut
+    may be missing; the text before the first call is content."""
+
+    _START, _END = "<start_function_call>", "<end_function_call>"
+    _NAME = re.compile(r"call:([\w.\-]+)(?=\{)")
+    _RESPONSE = "<start_function_response>"  # where the model stops for the result, when it is in the text
+
+    def parse(self, text: str) -> Parsed:
+        start = text.find(self._START)
+        if start < 0:
+            return Parsed(text)
+        try:
+            calls, end = self._calls(text, start)
+        except _UNPARSED:
+            return Parsed(text)
+        return Parsed(_content(text[:start], text[end:].replace(self._RESPONSE, "")), calls)
+
+    def settled(self, text: str) -> int:
+        return _settled(text, (self._START,))
+
+    def _calls(self, text: str, position: int) -> tuple[tuple[ParsedCall, ...], int]:
+        calls: list[ParsedCall] = []
+        end = position
+        while text.startswith(self._START, position):
+            name = self._NAME.match(text, position + len(self._START))
+            if name is None:
+                raise _NotACall(text[position : position + 40])
+            arguments, position = _gemma_value(text, name.end())
+            if text.startswith(self._END, position):
+                position += len(self._END)
+            elif text[position:].strip():  # only a cut may leave the end tag out
+                raise _NotACall(text[position : position + 20])
+            calls.append(ParsedCall(name[1], _arguments_json(arguments)))
+            end = position
+            position = _WHITESPACE.match(text, position).end()
+        return tuple(calls), end
+
+
+_ESCAPE = "<escape>"
+_GEMMA_KEY = re.compile(r"([^:,{}\[\]<\s]+)[ \t]*:")
+_GEMMA_BARE = re.compile(r"[^,}\]]*")
+_JSON_NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?")
+
+
+def _gemma_value(text: str, position: int) -> tuple[Any, int]:
+    """The FunctionGemma value at `position`, and where it ends."""
+    position = _WHITESPACE.match(text, position).end()
+    if text.startswith(_ESCAPE, position):
+        return _gemma_escaped(text, position)
+    if text.startswith("{", position):
+        return _gemma_object(text, position)
+    if text.startswith("[", position):
+        return _gemma_list(text, position)
+    bare = _GEMMA_BARE.match(text, position)
+    return _gemma_scalar(bare[0].strip()), bare.end()
+
+
+def _gemma_escaped(text: str, position: int) -> tuple[str, int]:
+    start = position + len(_ESCAPE)
+    end = text.find(_ESCAPE, start)
+    if end < 0:
+        raise _NotACall(text[position : position + 20])
+    return text[start:end], end + len(_ESCAPE)
+
+
+def _gemma_object(text: str, position: int) -> tuple[dict[str, Any], int]:
+    value: dict[str, Any] = {}
+    position = _WHITESPACE.match(text, position + 1).end()
+    if text.startswith("}", position):
+        return value, position + 1
+    while True:
+        if text.startswith(_ESCAPE, position):  # a key the template escaped
+            key, position = _gemma_escaped(text, position)
+            if not text.startswith(":", position):
+                raise _NotACall(text[position : position + 20])
+            position += 1
+        else:
+            match = _GEMMA_KEY.match(text, position)
+            if match is None:
+                raise _NotACall(text[position : position + 20])
+            key, position = match[1], match.end()
+        value[key], position = _gemma_value(text, position)
+        position, closed = _next_item(text, position, "}")
+        if closed:
+            return value, position
+
+
+def _gemma_list(text: str, position: int) -> tuple[list[Any], int]:
+    value: list[Any] = []
+    position = _WHITESPACE.match(text, position + 1).end()
+    if text.startswith("]", position):
+        return value, position + 1
+    while True:
+        item, position = _gemma_value(text, position)
+        value.append(item)
+        position, closed = _next_item(text, position, "]")
+        if closed:
+            return value, position
+
+
+def _next_item(text: str, position: int, close: str) -> tuple[int, bool]:
+    """Past the `,` before the next item, or past `close` (True); _NotACall at anything else or the text's end."""
+    position = _WHITESPACE.match(text, position).end()
+    if text.startswith(close, position):
+        return position + 1, True
+    if not text.startswith(",", position):
+        raise _NotACall(text[position : position + 20])
+    return _WHITESPACE.match(text, position + 1).end(), False
+
+
+def _gemma_scalar(token: str) -> Any:
+    if not token:
+        raise _NotACall(token)
+    if token in ("true", "false", "null"):
+        return json.loads(token)
+    return json.loads(token) if _JSON_NUMBER.fullmatch(token) else token
+
+
 class NamedCallParser:
     """A named tool choice: the constrained reply is the arguments of that one call."""
 
@@ -264,12 +573,41 @@ def _whole_items(text: str) -> list[object]:
     return items
 
 
+# --tool-call-parser's names (vLLM's); the aliases are vLLM's names of the same formats.
+_PARSERS: dict[str, Callable[[], ToolParser]] = {
+    "hermes": HermesParser,  # Qwen2.5's and Qwen3's too: vLLM has no other name for them
+    "llama3_json": Llama3JsonParser,
+    "llama4_json": Llama3JsonParser,
+    "mistral": MistralParser,
+    "pythonic": PythonicParser,
+    "llama4_pythonic": PythonicParser,  # pythonic takes its <|python_start|> wrapper too
+    "phi4_mini_json": Phi4MiniJsonParser,
+    "functiongemma": FunctionGemmaParser,
+}
+TOOL_CALL_PARSERS: tuple[str, ...] = ("auto", *_PARSERS)
+
+# What "auto" looks for in a chat template, first match wins: the specific markers before the loose words, and
+# pythonic's instruction before "ipython", which Llama's pythonic templates mention too.
+_TEMPLATE_MARKERS: tuple[tuple[str, str], ...] = (
+    ("[TOOL_CALLS]", "mistral"),
+    ("<start_function_call>", "functiongemma"),
+    ("functools[", "phi4_mini_json"),
+    ("<|python_start|>", "pythonic"),  # Llama 4
+    ("[func_name1(", "pythonic"),  # "respond in the format [func_name1(params_name1=params_value1, ...)]"
+    ("<tool_call>", "hermes"),
+    ("tool_code", "pythonic"),  # Gemma 3's ```tool_code``` block
+    ("<|python_tag|>", "llama3_json"),
+    ("ipython", "llama3_json"),
+)
+
+
 def auto_parser(name: str, template: str | None) -> ToolParser:
-    """The parser `name` ("auto" picks by the template: Llama 3's mentions ipython or its python tag)."""
+    """The parser `name`; "auto" picks by the chat template's markers (`_TEMPLATE_MARKERS`), hermes when none."""
     if name == "auto":
-        llama3 = template is not None and ("<|python_tag|>" in template or "ipython" in template)
-        name = "llama3_json" if llama3 else "hermes"
-    return Llama3JsonParser() if name == "llama3_json" else HermesParser()
+        name = next((parser for marker, parser in _TEMPLATE_MARKERS if template and marker in template), "hermes")
+    if name not in _PARSERS:
+        raise ValueError(f"unknown tool call parser {name!r}; known: {', '.join(TOOL_CALL_PARSERS)}")
+    return _PARSERS[name]()
 
 
 def _partial_marker(text: str, marker: str) -> int:

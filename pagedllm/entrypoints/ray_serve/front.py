@@ -60,7 +60,9 @@ def _prompt_tokens(tokenizer: Any, body: protocol.CompletionRequest | protocol.C
         offered = body.tools and body.tool_choice != "none"
         tools = [tool.model_dump() for tool in body.tools] if offered else None
         conversation, tools = tool_parsers.conversation(body.messages, tools, tokenizer.chat_template)
-        return render_chat(tokenizer, conversation, body.add_generation_prompt, tools)["prompt_token_ids"]
+        template_kwargs = body.chat_template_kwargs
+        rendered = render_chat(tokenizer, conversation, body.add_generation_prompt, tools, None, template_kwargs)
+        return rendered["prompt_token_ids"]
     prompt = body.prompt[0] if isinstance(body.prompt, list) and body.prompt else body.prompt
     if isinstance(prompt, list):  # token ids
         return list(prompt)
