@@ -256,7 +256,17 @@ class EngineConfig:
 
 # The names of entrypoints/openai's tool_parsers and reasoning_parsers (kept here, below them in the import order;
 # tests/test_tool_parsers.py and tests/test_reasoning_parsers.py check that they agree).
-TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")
+TOOL_CALL_PARSERS = (
+    "auto",
+    "hermes",
+    "llama3_json",
+    "llama4_json",
+    "mistral",
+    "pythonic",
+    "llama4_pythonic",
+    "phi4_mini_json",
+    "functiongemma",
+)
 REASONING_PARSERS = ("auto", "none", "qwen3", "deepseek_r1")
 
 

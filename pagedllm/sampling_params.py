@@ -23,13 +23,18 @@ class StructuredOutputsParams:
     """A constraint on the generated text, with vLLM's names: exactly one of a JSON schema (``json``, as a
     dict or its JSON text), any JSON object (``json_object``), a regular expression, a choice among
     strings, or an EBNF grammar (xgrammar's dialect, which reads GBNF). Whether it compiles is checked when
-    the request is added; here only its shape."""
+    the request is added; here only its shape.
+
+    ``reasoning`` holds the constraint to what follows a reasoning model's thinking, as vLLM's reasoning parsers
+    do: "optional", the text may open with a ``<think>…</think>`` block (Qwen3's way); "open", the text starts
+    inside a block that ``</think>`` closes (DeepSeek-R1's, whose prompt opened it)."""
 
     json: str | dict | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    reasoning: str | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
@@ -51,6 +56,8 @@ class StructuredOutputsParams:
             raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}")
         if self.json_object is not None and not isinstance(self.json_object, bool):
             raise ValueError(f"structured_outputs.json_object must be a bool, got {self.json_object!r}")
+        if self.reasoning not in (None, *REASONING_BLOCKS):
+            raise ValueError(f"structured_outputs.reasoning must be one of {REASONING_BLOCKS}, got {self.reasoning!r}")
 
     @property
     def kind(self) -> str:
@@ -59,6 +66,7 @@ class StructuredOutputsParams:
 
 
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+REASONING_BLOCKS = ("optional", "open")
 
 
 class SamplingType(enum.IntEnum):

@@ -41,17 +41,10 @@ class StructuredOutputCompiler:
         compiler = self._get_compiler()
         kind = spec.kind
         try:
-            if kind == "json":
-                schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json, sort_keys=True)
-                return compiler.compile_grammar(_json_schema_grammar(schema))
-            if kind == "json_object":
-                # An object, as OpenAI's json_object promises (xgrammar's built-in JSON grammar takes any value).
-                return compiler.compile_grammar(_json_schema_grammar('{"type": "object"}'))
-            if kind == "regex":
-                return compiler.compile_regex(spec.regex)
-            if kind == "choice":
-                return compiler.compile_grammar(_choice_grammar(spec.choice))
-            return compiler.compile_grammar(spec.grammar)
+            grammar = _grammar(spec)
+            if spec.reasoning is not None:
+                grammar = _after_reasoning(grammar, spec.reasoning)
+            return compiler.compile_grammar(grammar)
         except (RuntimeError, ValueError, TypeError) as error:
             # xgrammar reports every parse and conversion problem as one of these, with the position.
             raise ValueError(f"structured_outputs.{kind} does not compile: {_first_line(error)}") from error
@@ -65,6 +58,35 @@ class StructuredOutputCompiler:
                 )
                 self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_limit_bytes=_CACHE_LIMIT_BYTES)
             return self._compiler
+
+
+def _grammar(spec: StructuredOutputsParams) -> xgr.Grammar:
+    kind = spec.kind
+    if kind == "json":
+        schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json, sort_keys=True)
+        return xgr.Grammar.from_ebnf(_json_schema_grammar(schema))
+    if kind == "json_object":
+        # An object, as OpenAI's json_object promises (xgrammar's built-in JSON grammar takes any value).
+        return xgr.Grammar.from_ebnf(_json_schema_grammar('{"type": "object"}'))
+    if kind == "regex":
+        return xgr.Grammar.from_regex(spec.regex)
+    if kind == "choice":
+        return xgr.Grammar.from_ebnf(_choice_grammar(spec.choice))
+    return xgr.Grammar.from_ebnf(spec.grammar)
+
+
+def _think_block(begin: str) -> xgr.Grammar:
+    """Any text up to `</think>` (after `begin`), then the blank lines templates put after it."""
+    tag = {"type": "tag", "begin": begin, "content": {"type": "any_text"}, "end": "</think>"}
+    block = xgr.Grammar.from_structural_tag({"type": "structural_tag", "format": tag})
+    return xgr.Grammar.concat(block, xgr.Grammar.from_ebnf("root ::= [ \\n]*"))
+
+
+def _after_reasoning(grammar: xgr.Grammar, reasoning: str) -> xgr.Grammar:
+    """`grammar` after a reasoning block: an optional one that opens the text, or one already open."""
+    if reasoning == "open":
+        return xgr.Grammar.concat(_think_block(""), grammar)
+    return xgr.Grammar.union(xgr.Grammar.concat(_think_block("<think>"), grammar), grammar)
 
 
 # xgrammar's rule for the characters of a length-bounded string (minLength/maxLength) lets raw control

@@ -22,12 +22,13 @@ from schemathesis.specs.openapi.checks import negative_data_rejection, response_
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import ServeOptions, add_dataclass_args, option_values
 from pagedllm.entrypoints.openai import protocol
+from pagedllm.entrypoints.openai import responses_protocol as rp
 from pagedllm.entrypoints.openai.serving_common import ApiError, ServingLimits
 from tests.test_server import NUM_KV_BLOCKS, ServerProcess, assert_refused, start_server, stop_server
 
 MAX_MODEL_LEN = 128  # short, so that whatever max_tokens the fuzzer picks, its requests end soon
 VOCAB = 384  # the tiny model's
-COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+COMPLETIONS, CHAT, RESPONSES = "/v1/completions", "/v1/chat/completions", "/v1/responses"
 LORA_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 HI = [{"role": "user", "content": "hi"}]
 HUGE = 2**70
@@ -378,6 +379,7 @@ REPLIES: dict[str, type[BaseModel]] = {
     "/tokenize": protocol.TokenizeResponse,
     "/detokenize": protocol.DetokenizeResponse,
     "/v1/models": protocol.ModelList,
+    RESPONSES: rp.Response,
 }
 CHUNKS: dict[str, type[BaseModel]] = {COMPLETIONS: protocol.CompletionResponse, CHAT: protocol.ChatCompletionChunk}
 TIMEOUT_S = 5.0  # an endless stream is read this long; no request on the tiny model comes near it
@@ -392,6 +394,8 @@ def openai_shaped(ctx: Any, response: schemathesis.Response, case: schemathesis.
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"}
         assert error["type"] == "invalid_request_error"
+    elif response.headers["content-type"][0].startswith("text/event-stream") and path == RESPONSES:
+        _responses_events_shaped(response)
     elif response.headers["content-type"][0].startswith("text/event-stream"):
         # SSE lines end at "\n" only: str.splitlines would also cut at U+0085 or U+2028, which JSON strings
         # carry unescaped (a regex-guided text drew U+0085 in CI).
@@ -405,6 +409,19 @@ def openai_shaped(ctx: Any, response: schemathesis.Response, case: schemathesis.
             assert len(reply.choices) == case.body.get("n", 1) * _prompt_count(case.body["prompt"])
         elif isinstance(reply, protocol.ChatCompletionResponse):
             assert len(reply.choices) == case.body.get("n", 1)
+
+
+def _responses_events_shaped(response: schemathesis.Response) -> None:
+    """A Responses stream: numbered events from response.created to response.completed (or failed)."""
+    lines = response.content.decode().split("\n")
+    events = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: ")]
+    if response.stream_cut_short:
+        events = events[:-1]  # the last may be cut mid-line
+    assert [event["sequence_number"] for event in events] == list(range(len(events)))
+    assert not events or events[0]["type"] == "response.created"
+    if not response.stream_cut_short:
+        assert events[-1]["type"] in ("response.completed", "response.failed"), events[-1]
+        rp.Response.model_validate(events[-1]["response"])
 
 
 def _prompt_count(prompt: str | list) -> int:
@@ -448,14 +465,14 @@ def schema(server) -> schemathesis.BaseSchema:
     return schemathesis.openapi.from_url(f"{server.url}/openapi.json")
 
 
-@pytest.mark.parametrize("path", [COMPLETIONS, CHAT, "/tokenize", "/detokenize", *LORA_ROUTES])
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT, RESPONSES, "/tokenize", "/detokenize", *LORA_ROUTES])
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=lambda mode: mode.value)
 def test_fuzzed_requests_get_no_5xx_and_well_shaped_answers(server, expected, schema, path, mode):
     fuzz(server, schema[path]["POST"], mode)
     assert_still_correct(server, expected)
 
 
-@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT, RESPONSES])
 def test_fuzzed_streams_get_no_5xx_and_carry_only_chunks(server, expected, schema, path):
     """Streams the fuzzer's client leaves after 20 events, too: their requests are aborted, blocks returned."""
     fuzz(server, schema[path]["POST"], GenerationMode.POSITIVE, stream=True)
@@ -465,7 +482,7 @@ def test_fuzzed_streams_get_no_5xx_and_carry_only_chunks(server, expected, schem
 def test_every_other_route_answers_without_a_5xx(server, expected, schema):
     """The routes without a body, whatever they are (the /kv page's among them): nothing to generate but the
     one request each."""
-    fuzzed = [(path, "POST") for path in (COMPLETIONS, CHAT, "/tokenize", "/detokenize", *LORA_ROUTES)]
+    fuzzed = [(path, "POST") for path in (COMPLETIONS, CHAT, RESPONSES, "/tokenize", "/detokenize", *LORA_ROUTES)]
     others = [op.ok() for op in schema.get_all_operations() if (op.ok().path, op.ok().method.upper()) not in fuzzed]
     assert {op.path for op in others} >= {"/v1/models", "/health", "/metrics"}
     # Their answers are declared, so the fuzzer checks bodies against shapes, not only the absence of a 5xx.

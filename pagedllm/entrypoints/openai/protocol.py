@@ -296,6 +296,7 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool's result answers this call
+    reasoning_content: str | None = None  # an assistant's earlier thinking: templates that show it get it
     # What the openai client's reply message carries when an agent loop sends it back as is: accepted
     # empty, as the reply gave them, and not shown to the model.
     refusal: None = None
@@ -328,6 +329,8 @@ class ChatMessage(_Strict):
             ]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
         return message
 
     def call_arguments(self) -> list[dict | str]:

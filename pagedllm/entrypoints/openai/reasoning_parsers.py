@@ -33,6 +33,9 @@ class Settled:
 
 
 class ReasoningParser(Protocol):
+    # How a constraint waits for the answer (StructuredOutputsParams.reasoning): "optional" or "open".
+    grammar_block: str
+
     def split(self, text: str) -> Split:
         """A finished reply's reasoning and content."""
 
@@ -51,6 +54,8 @@ def _held(text: str, marker: str) -> int:
 class Qwen3Parser:
     """The block counts only where the reply opens with it (after any blank space): a tag quoted later in an
     answer is the answer's."""
+
+    grammar_block = "optional"
 
     def split(self, text: str) -> Split:
         opened = text.lstrip()
@@ -86,6 +91,8 @@ def _answer(after: str) -> str | None:
 
 
 class DeepSeekR1Parser:
+    grammar_block = "open"
+
     def split(self, text: str) -> Split:
         body = text.removeprefix(START)
         end = body.find(END)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse
@@ -61,7 +61,13 @@ class OpenAIServingChat(common.OpenAIServing):
         tools = self._tool_use(body, template)
         rendering = common.Rendering(template, body.chat_template, body.chat_template_kwargs)
         prompt = await self._render(body.messages, body.add_generation_prompt, tools.offered, rendering=rendering)
+        reasoning = reasoning_parsers.get_reasoning_parser(self.reasoning_parser, template)
         constraint = common.constraint(body, *filter(None, [tools.constraint]))
+        if constraint is not None and reasoning is not None:
+            # As vLLM: the constraint holds what follows the thinking, which stays free.
+            constraint = replace(constraint, spec=replace(constraint.spec, reasoning=reasoning.grammar_block))
+        if tools.parser is not None and self._markers_are_special(tools.parser):
+            body = body.model_copy(update={"skip_special_tokens": False})  # as vLLM: the parser must see them
         _, max_tokens = body.max_output
         top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         if body.use_beam_search:
@@ -73,8 +79,13 @@ class OpenAIServingChat(common.OpenAIServing):
         group = await self._add(
             [prompt], body.cache_salt, params, param="messages", constraint=constraint, lora_request=call.lora_request
         )
-        reasoning = reasoning_parsers.get_reasoning_parser(self.reasoning_parser, template)
         return ChatRun(group, params, replies.ReplyReader(reasoning, tools.parser))
+
+    def _markers_are_special(self, parser: tool_parsers.ToolParser) -> bool:
+        tokenizer = self.engine.tokenizer
+        added = {token.content for token in tokenizer.added_tokens_decoder.values() if token.special}
+        special = added | set(tokenizer.all_special_tokens)
+        return any(marker in special for marker in tool_parsers.call_markers(parser))
 
     def _template(self, body: protocol.ChatCompletionRequest) -> str | None:
         """The chat template this request renders with: its own only where the server trusts requests' templates

@@ -20,7 +20,7 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 
 from pagedllm.entrypoints.openai import field_policy, protocol, replies
@@ -315,7 +315,11 @@ class OpenAIServingResponses:
             raise common.ApiError(400, str(error), param=error.param) from error
         conversation = [*history, *_messages(items, history)]
         system = [protocol.ChatMessage(role="system", content=body.instructions)] if body.instructions else []
-        chat_body = _chat_request(body, [*system, *conversation])
+        try:
+            chat_body = _chat_request(body, [*system, *conversation])
+        except ValidationError as error:  # a chat rule the Responses request's own types do not carry
+            problem = error.errors()[0]
+            raise common.ApiError(400, problem["msg"].removeprefix("Value error, ")) from error
         return _Turn(body, _id("resp"), model, _now(), owner, conversation), chat_body
 
     def _in_background(self, turn: _Turn, run: ChatRun) -> rp.Response:

@@ -616,3 +616,10 @@ def _partial_marker(text: str, marker: str) -> int:
         if text.endswith(marker[:length]):
             return length
     return 0
+
+
+def call_markers(parser: ToolParser) -> tuple[str, ...]:
+    """The tags that open a call in `parser`'s format: where they are special tokens (Mistral's `[TOOL_CALLS]`,
+    Llama 4's `<|python_start|>`), the reply's text must keep special tokens for the parser to see them."""
+    tags = (getattr(parser, name, None) for name in ("_MARKER", "_START"))
+    return tuple(tag for tag in tags if isinstance(tag, str))

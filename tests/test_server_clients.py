@@ -1,6 +1,8 @@
-"""The Responses API (`/v1/responses`) through the official `openai` client and the OpenAI Agents SDK against real
-server subprocesses: the default model (SmolLM2-135M) where the model's own replies matter, the tiny random model
-where any model will do (stored chains, bounds, keys, background runs, bad input)."""
+"""The API as today's clients speak it, through the clients themselves against real server subprocesses: the
+Responses API (`/v1/responses`) through the official `openai` client and the OpenAI Agents SDK, chat through
+Instructor and LangChain, and the fields clients send that pagedllm does not act on. The default model (SmolLM2-135M)
+where the model's own replies matter, the tiny random model where any model will do (stored chains, bounds, keys,
+background runs, bad input)."""
 
 from __future__ import annotations
 
@@ -233,7 +235,9 @@ def test_chains_of_20_turns_from_8_clients_stay_their_own_within_the_bounds(tiny
 
 
 def test_a_continued_conversation_hits_the_prefix_cache_on_its_second_turn(tiny_server, tiny):
-    first = tiny.responses.create(model=TINY, input="Paged attention stores the key value cache " * 4, max_output_tokens=8)
+    first = tiny.responses.create(
+        model=TINY, input="Paged attention stores the key value cache " * 4, max_output_tokens=8
+    )
     hits = tiny_server.metric("pagedllm:prefix_cache_hits_total")
     second = tiny.responses.create(model=TINY, input="And then?", previous_response_id=first.id, max_output_tokens=4)
     assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
@@ -335,3 +339,107 @@ def test_city_tool_schema_is_kept_in_the_response(tiny):
     response = tiny.responses.create(model=TINY, input="hi", tools=[tool], tool_choice="none", max_output_tokens=2)
     assert response.tools[0].name == "get_time" and response.tool_choice == "none"
     assert [item.type for item in response.output] == ["message"]
+
+
+# ---- chat as other clients send it --------------------------------------------------------------
+
+
+def test_instructor_json_schema_mode_gets_an_object_of_its_model(smol_server):
+    import instructor
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=20)
+        country: str = Field(max_length=20)
+
+    client = instructor.from_openai(client_of(smol_server), mode=instructor.Mode.JSON_SCHEMA)
+    city = client.chat.completions.create(
+        model=SMOL,
+        response_model=City,
+        messages=[{"role": "user", "content": "Name a city in Spain."}],
+        max_tokens=48,
+        temperature=0,
+        max_retries=0,
+    )
+    assert isinstance(city, City) and city.name
+
+
+def test_response_format_json_object_with_a_schema_is_held_to_it(smol):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}
+    reply = smol.chat.completions.create(
+        model=SMOL,
+        messages=[{"role": "user", "content": "A digit, as JSON."}],
+        response_format={"type": "json_object", "schema": schema},
+        max_tokens=16,
+    )
+    jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
+
+
+def test_langchain_chat_openai_invokes_streams_binds_tools_and_structures(smol_server):
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    llm = ChatOpenAI(
+        model=SMOL, base_url=f"{smol_server.url}/v1", api_key="lc-key", temperature=0, max_tokens=16, max_retries=0
+    )
+    whole = llm.invoke("What is the capital of France?")
+    assert "".join(chunk.content for chunk in llm.stream("What is the capital of France?")) == whole.content
+
+    class Weather(BaseModel):
+        """The weather in a city."""
+
+        city: str = Field(max_length=20)
+
+    called = llm.bind_tools([Weather], tool_choice="Weather").invoke("What is the weather in Paris?")
+    assert called.tool_calls and called.tool_calls[0]["name"] == "Weather"
+    structured = llm.with_structured_output(Weather).invoke("The weather in Rome, please.")
+    assert isinstance(structured, Weather) and structured.city
+
+
+def test_chat_template_kwargs_reach_the_template_and_reserved_names_are_refused(smol_server, smol):
+    # SmolLM2's template reads no variable of its own: any kwarg is accepted, and the prompt does not change.
+    plain = smol.chat.completions.create(model=SMOL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1)
+    thinking = smol.chat.completions.create(
+        model=SMOL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=1,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    assert thinking.usage.prompt_tokens == plain.usage.prompt_tokens
+    body = {"model": SMOL, "messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": {"tools": []}}
+    refused = httpx.post(f"{smol_server.url}/v1/chat/completions", json=body, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template_kwargs"
+    body = {"model": SMOL, "messages": [{"role": "user", "content": "Hi"}], "chat_template": "{{ messages }}"}
+    untrusted = httpx.post(f"{smol_server.url}/v1/chat/completions", json=body, timeout=60)
+    assert untrusted.status_code == 400 and "--trust-request-chat-template" in untrusted.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "ignored"),
+    [
+        ({"service_tier": "auto", "prompt_cache_key": "u1", "store": False}, "service_tier, prompt_cache_key"),
+        ({"reasoning_effort": "low", "modalities": ["text"], "metadata": {"a": "b"}}, "metadata, reasoning_effort"),
+    ],
+)
+def test_chat_fields_pagedllm_does_not_act_on_are_named_in_a_header(smol_server, extra, ignored):
+    body = {"model": SMOL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, **extra}
+    response = httpx.post(f"{smol_server.url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.headers["pagedllm-ignored-fields"] == ignored
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "words"),
+    [
+        ({"web_search_options": {}}, "web_search_options", "no web search"),
+        ({"modalities": ["text", "audio"]}, "modalities", "text only"),
+        ({"audio": {"voice": "alloy", "format": "wav"}}, "audio", "text only"),
+        ({"functions": [{"name": "f"}]}, "functions", "tools"),
+    ],
+)
+def test_chat_fields_that_would_change_the_answer_are_refused(smol_server, extra, param, words):
+    body = {"model": SMOL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, **extra}
+    response = httpx.post(f"{smol_server.url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == param and words in error["message"]
