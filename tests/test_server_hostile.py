@@ -210,7 +210,7 @@ HOSTILE = [
     hostile(CHAT, {"messages": []}, "messages", "at least 1", "messages-empty"),
     hostile(CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role", "'user'", "role-unknown"),
     hostile(COMPLETIONS, completion(max_tokenz=5), "max_tokenz", "unknown field", "unknown-field"),
-    hostile(CHAT, chat(functions=[]), "functions", "unknown field", "chat-unknown-field"),
+    hostile(CHAT, chat(functionz=[]), "functionz", "unknown field", "chat-unknown-field"),
     hostile(
         CHAT,
         {"messages": [{"role": "user", "content": "x", "mood": "bad"}]},
