@@ -75,18 +75,19 @@ def _grammar(spec: StructuredOutputsParams) -> xgr.Grammar:
     return xgr.Grammar.from_ebnf(spec.grammar)
 
 
-def _think_block(begin: str) -> xgr.Grammar:
-    """Any text up to `</think>` (after `begin`), then the blank lines templates put after it."""
-    tag = {"type": "tag", "begin": begin, "content": {"type": "any_text"}, "end": "</think>"}
-    block = xgr.Grammar.from_structural_tag({"type": "structural_tag", "format": tag})
-    return xgr.Grammar.concat(block, xgr.Grammar.from_ebnf("root ::= [ \\n]*"))
+# A thinking block: free text that neither closes nor opens another block, then `</think>` and the blank lines
+# templates put after it. Its opening tag is required ("optional" mode: the text may start with the block), or may
+# be written again ("open" mode: the prompt opened the block, as DeepSeek-R1's does).
+_THINK_BLOCK = """root ::= {begin} body "</think>" [ \\n]*
+body ::= TagDispatch(loop_after_dispatch=false, excludes=("</think>", "<think>"))"""
 
 
 def _after_reasoning(grammar: xgr.Grammar, reasoning: str) -> xgr.Grammar:
     """`grammar` after a reasoning block: an optional one that opens the text, or one already open."""
     if reasoning == "open":
-        return xgr.Grammar.concat(_think_block(""), grammar)
-    return xgr.Grammar.union(xgr.Grammar.concat(_think_block("<think>"), grammar), grammar)
+        return xgr.Grammar.concat(xgr.Grammar.from_ebnf(_THINK_BLOCK.format(begin='"<think>"?')), grammar)
+    block = xgr.Grammar.from_ebnf(_THINK_BLOCK.format(begin='"<think>"'))
+    return xgr.Grammar.union(xgr.Grammar.concat(block, grammar), grammar)
 
 
 # xgrammar's rule for the characters of a length-bounded string (minLength/maxLength) lets raw control

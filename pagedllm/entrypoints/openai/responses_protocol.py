@@ -21,6 +21,7 @@ from pagedllm.entrypoints.openai.protocol import (
     MIN_SEED,
     MIN_TOP_P,
     JsonSchema,
+    LogitBias,
     _Strict,
 )
 
@@ -223,6 +224,7 @@ class ResponsesRequest(_Strict):
     top_k: int = Field(0, ge=-1, le=MAX_TOP_K)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
+    logit_bias: LogitBias | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = Field(None, min_length=1)
     # OpenAI's fields that pagedllm does not act on: field_policy.RESPONSES says what becomes of each.

@@ -134,6 +134,8 @@ def _chat_request(body: rp.ResponsesRequest, messages: list[protocol.ChatMessage
         top_k=body.top_k,
         min_p=body.min_p,
         repetition_penalty=body.repetition_penalty,
+        # As JSON sends it: chat reads the token ids from the keys' text.
+        logit_bias={str(token): bias for token, bias in body.logit_bias.items()} if body.logit_bias else None,
         user=body.user,
         chat_template_kwargs=body.chat_template_kwargs,
         chat_template=body.chat_template,
@@ -389,6 +391,7 @@ class _EventStream:
     sequence: int = 0
     outputs: int = 0  # output items opened so far
     open_reasoning: int | None = None  # the output index of the open reasoning item
+    reasoned: bool = False  # whether a reasoning item went out
     open_message: int | None = None
     reasoning_text: str = ""
     message_text: str = ""
@@ -438,6 +441,7 @@ class _EventStream:
         return events
 
     def _open_reasoning(self) -> list[str]:
+        self.reasoned = True
         self.open_reasoning = self._next_output()
         item = rp.ReasoningOutput(id=self.ids.reasoning, content=[], status="in_progress")
         part = rp.ReasoningText(text="")
@@ -487,7 +491,8 @@ class _EventStream:
 
     def _finish(self, final: RequestOutput, completion: CompletionOutput, reading: replies.Reading) -> list[str]:
         status = "incomplete" if completion.finish_reason == "length" else "completed"
-        events = self._close_reasoning()
+        opened = self._open_reasoning() if reading.reasoning is not None and not self.reasoned else []
+        events = [*opened, *self._close_reasoning()]  # an empty block still has its item
         if _has_message(reading) and self.open_message is None:
             events += self._open_message()  # an empty reply still has its message
         events += self._close_message(status)

@@ -1,0 +1,183 @@
+"""Reasoning models through the server: a tiny random Qwen3 with a Qwen3-style chat template (its `enable_thinking`
+switch, tools in `<tools>`, calls in `<tool_call>`), driven by logit bias and a constraint so that the think tags
+really appear; chat's `reasoning_content` (whole and streamed), the Responses API's reasoning items, constraints that
+hold the answer after the thinking, and `chat_template_kwargs` reaching the template."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from pagedllm.entrypoints.openai import reasoning_parsers
+from tests.conftest import CHAT_TEMPLATE, build_tokenizer, save_tiny_model
+from tests.test_server import ServerProcess, start_server, stop_server
+
+QWEN = "qwen"
+THINK_TAGS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+# Written for these tests after Qwen3's template, with the parts the server relies on: the switch that closes an
+# empty think block in the generation prompt, tools in the system turn, calls and results in Hermes' tags, and an
+# earlier turn's reasoning shown only after the last user message.
+QWEN3_STYLE_TEMPLATE = """\
+{%- if tools %}<|im_start|>system
+{%- if messages[0].role == 'system' %}
+{{ messages[0].content }}
+{% endif %}
+# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
+<tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{%- set ns = namespace(last_user=-1) %}
+{%- for message in messages %}{% if message.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}
+{%- for message in messages %}
+{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% elif message.role == 'assistant' %}<|im_start|>assistant
+{% if message.reasoning_content and loop.index0 > ns.last_user %}<think>
+{{ message.reasoning_content }}
+</think>
+
+{% endif %}{{ message.content or '' }}
+{%- for call in message.tool_calls or [] %}
+<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% endif %}{% endif %}"""
+
+
+def save_tiny_qwen3(folder: Path) -> Path:
+    tokenizer = build_tokenizer()
+    tokenizer.add_tokens(THINK_TAGS)  # ordinary added tokens, as in Qwen3: skip_special_tokens keeps them
+    save_tiny_model(folder, "qwen3", vocab_size=len(tokenizer))
+    tokenizer.chat_template = QWEN3_STYLE_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def qwen_folder(tmp_path_factory) -> Path:
+    return save_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3"))
+
+
+@pytest.fixture(scope="module")
+def qwen_server(qwen_folder) -> Iterator[ServerProcess]:
+    process = start_server(qwen_folder, qwen_folder / "server.log", "--served-model-name", QWEN)
+    yield process
+    assert stop_server(process) == 0, process.log.read_text()
+
+
+@pytest.fixture(scope="module")
+def qwen(qwen_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{qwen_server.url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def tag_ids(qwen_folder) -> dict[str, int]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(qwen_folder)
+    return {tag: tokenizer.convert_tokens_to_ids(tag) for tag in THINK_TAGS}
+
+
+def test_auto_picks_the_parser_from_the_template():
+    assert isinstance(
+        reasoning_parsers.get_reasoning_parser("auto", QWEN3_STYLE_TEMPLATE), reasoning_parsers.Qwen3Parser
+    )
+    r1 = "{% if add_generation_prompt %}<|Assistant|><think>\n{% endif %}</think>"
+    assert isinstance(reasoning_parsers.get_reasoning_parser("auto", r1), reasoning_parsers.DeepSeekR1Parser)
+    assert reasoning_parsers.get_reasoning_parser("auto", CHAT_TEMPLATE) is None
+    assert reasoning_parsers.get_reasoning_parser("none", QWEN3_STYLE_TEMPLATE) is None
+
+
+def thinking_request(tag_ids: dict[str, int], **more) -> dict:
+    """The block forced open (its tag is the only first token the bias favours) and closed when the bias on
+    `</think>` outweighs the model's own choice; the answer held to a word after it."""
+    bias = {str(tag_ids["<think>"]): 100, str(tag_ids["</think>"]): 6}
+    extra = {"structured_outputs": {"regex": "[a-z]{3,8}"}, "logit_bias": bias}
+    return dict(
+        model=QWEN,
+        messages=[{"role": "user", "content": "Think, then answer."}],
+        max_tokens=60,
+        temperature=0,
+        extra_body=extra | more.pop("extra_body", {}),
+        **more,
+    )
+
+
+def test_the_thinking_goes_to_reasoning_content_and_the_constraint_holds_the_answer(qwen, tag_ids):
+    message = qwen.chat.completions.create(**thinking_request(tag_ids)).choices[0].message
+    reasoning = message.model_extra["reasoning_content"]
+    assert reasoning and "<think>" not in reasoning and "</think>" not in reasoning
+    assert re.fullmatch("[a-z]{3,8}", message.content), message.content
+
+    streamed = {"reasoning": "", "content": ""}
+    for chunk in qwen.chat.completions.create(stream=True, **thinking_request(tag_ids)):
+        delta = chunk.choices[0].delta if chunk.choices else None
+        if delta is not None:
+            streamed["reasoning"] += (delta.model_extra or {}).get("reasoning_content") or ""
+            streamed["content"] += delta.content or ""
+    assert streamed == {"reasoning": reasoning, "content": message.content}
+
+
+def test_thinking_off_leaves_no_reasoning_and_reaches_the_template(qwen, tag_ids):
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    request = thinking_request(tag_ids, extra_body=off)
+    request["extra_body"]["logit_bias"] = {str(tag_ids["<think>"]): -100}
+    reply = qwen.chat.completions.create(**request)
+    assert reply.choices[0].message.model_extra["reasoning_content"] is None
+    assert re.fullmatch("[a-z]{3,8}", reply.choices[0].message.content)
+    on = qwen.chat.completions.create(**thinking_request(tag_ids))
+    # The template closed an empty block in the prompt: `<think>`, `</think>` and the blank lines around them.
+    assert reply.usage.prompt_tokens > on.usage.prompt_tokens
+
+
+def test_a_response_carries_a_reasoning_item_before_its_message(qwen, tag_ids):
+    request = thinking_request(tag_ids)
+    kwargs = dict(
+        model=QWEN,
+        input="Think, then answer.",
+        max_output_tokens=60,
+        temperature=0,
+        extra_body={"logit_bias": request["extra_body"]["logit_bias"]},
+        text={"format": {"type": "json_schema", "name": "w", "schema": {"type": "string", "pattern": "^[a-z]{3,8}$"}}},
+    )
+    whole = qwen.responses.create(**kwargs)
+    assert [item.type for item in whole.output] == ["reasoning", "message"]
+    chat = qwen.chat.completions.create(**request).choices[0].message
+    assert whole.output[0].content[0].text == chat.model_extra["reasoning_content"]
+    with qwen.responses.stream(**kwargs) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert [item.type for item in final.output] == ["reasoning", "message"]
+    assert final.output[0].content[0].text == whole.output[0].content[0].text
+    assert final.output_text == whole.output_text
+    assert "response.reasoning_text.delta" in kinds
