@@ -76,9 +76,10 @@ def _grammar(spec: StructuredOutputsParams) -> xgr.Grammar:
 
 
 # A thinking block: free text that neither closes nor opens another block, then `</think>` and the blank lines
-# templates put after it. Its opening tag is required ("optional" mode: the text may start with the block), or may
-# be written again ("open" mode: the prompt opened the block, as DeepSeek-R1's does).
-_THINK_BLOCK = """root ::= {begin} body "</think>" [ \\n]*
+# templates put after it (at most three: unbounded, a model can loop on blank space). Its opening tag is required
+# ("optional" mode: the text may start with the block), or may be written again ("open" mode: the prompt opened the
+# block, as DeepSeek-R1's does).
+_THINK_BLOCK = """root ::= {begin} body "</think>" [ \\n]{{0,3}}
 body ::= TagDispatch(loop_after_dispatch=false, excludes=("</think>", "<think>"))"""
 
 

@@ -5,6 +5,7 @@ hold the answer after the thinking, and `chat_template_kwargs` reaching the temp
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -77,7 +78,7 @@ For each function call, return a json object with function name and arguments wi
 def save_tiny_qwen3(folder: Path) -> Path:
     tokenizer = build_tokenizer()
     tokenizer.add_tokens(THINK_TAGS)  # ordinary added tokens, as in Qwen3: skip_special_tokens keeps them
-    save_tiny_model(folder, "qwen3", vocab_size=len(tokenizer))
+    save_tiny_model(folder, "qwen3", vocab_size=len(tokenizer), max_position_embeddings=2048)  # room for tools
     tokenizer.chat_template = QWEN3_STYLE_TEMPLATE
     tokenizer.save_pretrained(folder)
     return folder
@@ -181,3 +182,22 @@ def test_a_response_carries_a_reasoning_item_before_its_message(qwen, tag_ids):
     assert final.output[0].content[0].text == whole.output[0].content[0].text
     assert final.output_text == whole.output_text
     assert "response.reasoning_text.delta" in kinds
+
+
+def test_a_required_call_follows_the_thinking(qwen, tag_ids):
+    # A bounded name: the bias that opens the block would fill an unbounded string with `<think>`.
+    city = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}, "required": ["city"]}
+    tool = {"type": "function", "name": "get_time", "parameters": city}
+    response = qwen.responses.create(
+        model=QWEN,
+        input="What time is it in Oslo?",
+        tools=[tool],
+        tool_choice="required",
+        max_output_tokens=200,
+        temperature=0,
+        extra_body={"logit_bias": {str(tag_ids["<think>"]): 100, str(tag_ids["</think>"]): 6}},
+    )
+    kinds = [item.type for item in response.output]
+    assert kinds[0] == "reasoning" and "function_call" in kinds, kinds
+    call = next(item for item in response.output if item.type == "function_call")
+    assert call.name == "get_time" and "city" in json.loads(call.arguments)
