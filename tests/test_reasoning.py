@@ -201,3 +201,26 @@ def test_a_required_call_follows_the_thinking(qwen, tag_ids):
     assert kinds[0] == "reasoning" and "function_call" in kinds, kinds
     call = next(item for item in response.output if item.type == "function_call")
     assert call.name == "get_time" and "city" in json.loads(call.arguments)
+
+
+@pytest.mark.parametrize(
+    ("parser", "text", "reasoning", "content"),
+    [
+        (reasoning_parsers.Qwen3Parser(), "<think>\nweigh it\n</think>\n\nIt is 4.", "\nweigh it\n", "It is 4."),
+        (reasoning_parsers.Qwen3Parser(), "Just 4.", None, "Just 4."),
+        (reasoning_parsers.Qwen3Parser(), "<think>cut short", "cut short", None),
+        (reasoning_parsers.Qwen3Parser(), "4, not <think>x</think>", None, "4, not <think>x</think>"),
+        (reasoning_parsers.DeepSeekR1Parser(), "weigh it</think>\n\nIt is 4.", "weigh it", "It is 4."),
+        (reasoning_parsers.DeepSeekR1Parser(), "<think>weigh</think>4", "weigh", "4"),
+        (reasoning_parsers.DeepSeekR1Parser(), "never closed", "never closed", None),
+    ],
+)
+def test_a_reply_splits_whole_and_every_prefix_settles_into_it(parser, text, reasoning, content):
+    assert parser.split(text) == reasoning_parsers.Split(reasoning, content)
+    for end in range(len(text) + 1):
+        settled = parser.settled(text[:end])
+        assert (reasoning or "").startswith(settled.reasoning), (end, settled)
+        assert (content or "").startswith(settled.content), (end, settled)
+    # Once the reply is whole but unfinished, nothing that can still change is held back beyond a tag's length.
+    last = parser.settled(text)
+    assert len(reasoning or "") - len(last.reasoning) <= len("</think>")
