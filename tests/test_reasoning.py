@@ -224,3 +224,36 @@ def test_a_reply_splits_whole_and_every_prefix_settles_into_it(parser, text, rea
     # Once the reply is whole but unfinished, nothing that can still change is held back beyond a tag's length.
     last = parser.settled(text)
     assert len(reasoning or "") - len(last.reasoning) <= len("</think>")
+
+
+@pytest.mark.parametrize("thinking", [True, False], ids=["thinking-on", "thinking-off"])
+def test_instructor_and_langchain_get_their_objects_from_a_thinking_model(qwen_server, tag_ids, thinking):
+    import instructor
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=6)
+
+    # On: the block opened and closed by the bias; off: the template closed it in the prompt, and the bias keeps
+    # the model from opening another.
+    bias = {str(tag_ids["<think>"]): 100, str(tag_ids["</think>"]): 6} if thinking else {str(tag_ids["<think>"]): -100}
+    extra = {"logit_bias": bias, "chat_template_kwargs": {"enable_thinking": thinking}}
+    question = [{"role": "user", "content": "Name a city."}]
+    client = instructor.from_openai(
+        openai.OpenAI(base_url=f"{qwen_server.url}/v1", api_key="none", max_retries=0), mode=instructor.Mode.JSON_SCHEMA
+    )
+    city = client.chat.completions.create(
+        model=QWEN,
+        response_model=City,
+        messages=question,
+        max_tokens=80,
+        temperature=0,
+        max_retries=0,
+        extra_body=extra,
+    )
+    assert isinstance(city, City)
+    llm = ChatOpenAI(
+        model=QWEN, base_url=f"{qwen_server.url}/v1", api_key="none", temperature=0, max_tokens=200, extra_body=extra
+    )
+    assert isinstance(llm.with_structured_output(City).invoke("Name a city."), City)

@@ -443,3 +443,27 @@ def test_chat_fields_that_would_change_the_answer_are_refused(smol_server, extra
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == param and words in error["message"]
+
+
+def test_an_agent_on_the_chat_completions_model_calls_its_tool_and_answers(smol_server):
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    calls: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        calls.append(city)
+        return f"It is sunny in {city}."
+
+    client = openai.AsyncOpenAI(base_url=f"{smol_server.url}/v1", api_key="agent-key", max_retries=0)
+    agent = Agent(
+        name="weather",
+        instructions="Use the tool, then answer in one sentence.",
+        model=OpenAIChatCompletionsModel(model=SMOL, openai_client=client),
+        tools=[get_weather],
+        model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=48),
+    )
+    result = asyncio.run(Runner.run(agent, "What is the weather in Paris?", max_turns=4))
+    assert calls and isinstance(result.final_output, str) and result.final_output

@@ -106,6 +106,12 @@ class DeepSeekR1Parser:
         return _inside(text.removeprefix(START))
 
 
+def closed_in_prompt(prompt: str) -> bool:
+    """Whether the generation prompt itself ends with a closed block (Qwen3's `enable_thinking: false`), as vLLM
+    reads the prompt's tokens: the reply then has no thinking to split off or to wait for."""
+    return prompt.rstrip().endswith(END)
+
+
 _PARSERS: dict[str, type[ReasoningParser]] = {"qwen3": Qwen3Parser, "deepseek_r1": DeepSeekR1Parser}
 
 

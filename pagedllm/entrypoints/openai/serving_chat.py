@@ -62,6 +62,8 @@ class OpenAIServingChat(common.OpenAIServing):
         rendering = common.Rendering(template, body.chat_template, body.chat_template_kwargs)
         prompt = await self._render(body.messages, body.add_generation_prompt, tools.offered, rendering=rendering)
         reasoning = reasoning_parsers.get_reasoning_parser(self.reasoning_parser, template)
+        if reasoning_parsers.closed_in_prompt(prompt["prompt"]):
+            reasoning = None  # thinking off: the template closed an empty block, so the reply is all answer
         constraint = common.constraint(body, *filter(None, [tools.constraint]))
         if constraint is not None and reasoning is not None:
             # As vLLM: the constraint holds what follows the thinking, which stays free.
