@@ -171,8 +171,10 @@ def test_text_format_json_schema_constrains_the_output(smol):
     assert response.text.format.type == "json_schema"
 
 
-def test_an_agent_on_the_responses_model_calls_its_tool_and_answers(smol_server):
-    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+def run_weather_agent(server: ServerProcess, model_class: type) -> tuple[list[str], object]:
+    """An agent with one function tool, on `model_class` over `server`: the cities it called the tool for, and the
+    run's result."""
+    from agents import Agent, ModelSettings, Runner, function_tool, set_tracing_disabled
 
     set_tracing_disabled(True)
     calls: list[str] = []
@@ -183,20 +185,33 @@ def test_an_agent_on_the_responses_model_calls_its_tool_and_answers(smol_server)
         calls.append(city)
         return f"It is sunny and 21 degrees in {city}."
 
-    client = openai.AsyncOpenAI(base_url=f"{smol_server.url}/v1", api_key="agent-key", max_retries=0)
+    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="agent-key", max_retries=0)
     agent = Agent(
         name="weather",
         instructions="Use the tool, then answer in one sentence.",
-        model=OpenAIResponsesModel(model=SMOL, openai_client=client),
+        model=model_class(model=SMOL, openai_client=client),
         tools=[get_weather],
         # Required at first (the small model would rarely call on its own); the SDK resets it after the call.
         model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=48),
     )
-    result = asyncio.run(Runner.run(agent, "What is the weather in Paris?", max_turns=4))
+    return calls, asyncio.run(Runner.run(agent, "What is the weather in Paris?", max_turns=4))
+
+
+def test_an_agent_on_the_responses_model_calls_its_tool_and_answers(smol_server):
+    from agents import OpenAIResponsesModel
+
+    calls, result = run_weather_agent(smol_server, OpenAIResponsesModel)
     assert calls, "the agent never called its tool"
     assert isinstance(result.final_output, str) and result.final_output
     sent = [item for item in result.to_input_list() if item.get("type") == "function_call_output"]
     assert sent and "sunny" in sent[0]["output"]
+
+
+def test_an_agent_on_the_chat_completions_model_calls_its_tool_and_answers(smol_server):
+    from agents import OpenAIChatCompletionsModel
+
+    calls, result = run_weather_agent(smol_server, OpenAIChatCompletionsModel)
+    assert calls and isinstance(result.final_output, str) and result.final_output
 
 
 # ---- stored chains, keys and bounds (the tiny model) ---------------------------------------------
@@ -443,27 +458,3 @@ def test_chat_fields_that_would_change_the_answer_are_refused(smol_server, extra
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == param and words in error["message"]
-
-
-def test_an_agent_on_the_chat_completions_model_calls_its_tool_and_answers(smol_server):
-    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
-
-    set_tracing_disabled(True)
-    calls: list[str] = []
-
-    @function_tool
-    def get_weather(city: str) -> str:
-        """The weather in a city."""
-        calls.append(city)
-        return f"It is sunny in {city}."
-
-    client = openai.AsyncOpenAI(base_url=f"{smol_server.url}/v1", api_key="agent-key", max_retries=0)
-    agent = Agent(
-        name="weather",
-        instructions="Use the tool, then answer in one sentence.",
-        model=OpenAIChatCompletionsModel(model=SMOL, openai_client=client),
-        tools=[get_weather],
-        model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=48),
-    )
-    result = asyncio.run(Runner.run(agent, "What is the weather in Paris?", max_turns=4))
-    assert calls and isinstance(result.final_output, str) and result.final_output
