@@ -458,3 +458,12 @@ def test_chat_fields_that_would_change_the_answer_are_refused(smol_server, extra
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == param and words in error["message"]
+
+
+def test_a_response_too_large_to_store_is_answered_and_says_it_was_not_kept(tiny):
+    # The server keeps at most 200,000 bytes: this response's metadata alone is over that.
+    metadata = {"note": "x" * 210_000}
+    response = tiny.responses.create(model=TINY, input="hi", metadata=metadata, max_output_tokens=1, store=True)
+    assert response.store is False and response.output_text is not None
+    with pytest.raises(openai.NotFoundError):
+        tiny.responses.retrieve(response.id)

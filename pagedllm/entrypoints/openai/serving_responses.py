@@ -269,6 +269,25 @@ class _Turn:
         return StoredResponse(self.owner, response, [*self.conversation, *output])
 
 
+def _kept(
+    store: ResponseStore,
+    turn: _Turn,
+    response: rp.Response,
+    reader: replies.ReplyReader,
+    final: RequestOutput,
+    ids: _ItemIds,
+) -> rp.Response:
+    """`response`, stored when its request asked: one the store cannot take (over its bytes, or full of running
+    background responses) is answered all the same, saying `store: false`, since its tokens are already made."""
+    if not turn.body.store:
+        return response
+    try:
+        store.put(turn.stored(response, reader, final, ids))
+    except common.ApiError:
+        return response.model_copy(update={"store": False})
+    return response
+
+
 def _now() -> int:
     return int(time.time())
 
@@ -300,9 +319,7 @@ class OpenAIServingResponses:
             return StreamingResponse(events, media_type="text/event-stream", headers=headers, background=abort)
         (final,) = await common.finals_or_abort(run.group, request)
         ids = _ItemIds()
-        response = turn.finished(final, run.reader, ids)
-        if body.store:
-            self.store.put(turn.stored(response, run.reader, final, ids))
+        response = _kept(self.store, turn, turn.finished(final, run.reader, ids), run.reader, final, ids)
         return JSONResponse(response.model_dump(), headers=headers)
 
     def _turn(self, body: rp.ResponsesRequest, owner: str, model: str) -> tuple[_Turn, protocol.ChatCompletionRequest]:
@@ -349,7 +366,11 @@ class OpenAIServingResponses:
         finished = turn.stored(done, run.reader, final, ids)
         entry.response, entry.conversation = finished.response, finished.conversation
         entry.task = None
-        self.store.put(entry)
+        try:
+            self.store.put(entry)  # its size again, now that it is whole
+        except common.ApiError as error:  # too large to keep: nobody waits on this call to hear it
+            entry.conversation = []
+            entry.response = turn.response("failed", error=rp.ResponseError(code="store_full", message=str(error)))
 
     async def retrieve(self, response_id: str, request: Request) -> JSONResponse:
         entry = self.store.get(owner_of(request.headers.get("authorization")), response_id)
@@ -510,8 +531,7 @@ class _EventStream:
             done = item.model_copy(update={"arguments": call.arguments, "status": "completed"})
             events.append(self._item_event("response.output_item.done", index, done))
         response = self.turn.finished(final, self.run.reader, self.ids)
-        if self.turn.body.store:
-            self.store.put(self.turn.stored(response, self.run.reader, final, self.ids))
+        response = _kept(self.store, self.turn, response, self.run.reader, final, self.ids)
         events.append(self._event("response.completed", response=response))
         return events
 
