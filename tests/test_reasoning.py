@@ -257,3 +257,18 @@ def test_instructor_and_langchain_get_their_objects_from_a_thinking_model(qwen_s
         model=QWEN, base_url=f"{qwen_server.url}/v1", api_key="none", temperature=0, max_tokens=200, extra_body=extra
     )
     assert isinstance(llm.with_structured_output(City).invoke("Name a city."), City)
+
+
+def test_llm_chat_passes_chat_template_kwargs_to_the_template(qwen_folder):
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(model=qwen_folder, dtype="float32", num_kv_blocks=64)
+    question = [{"role": "user", "content": "Hi"}]
+    off, on = (
+        llm.chat(question, SamplingParams(max_tokens=1), use_tqdm=False, chat_template_kwargs={"enable_thinking": t})[0]
+        for t in (False, True)
+    )
+    text = llm.engine.tokenizer.decode(off.prompt_token_ids)
+    assert text.endswith("<think>\n\n</think>\n\n") and not llm.engine.tokenizer.decode(on.prompt_token_ids).endswith(
+        "</think>\n\n"
+    )
