@@ -214,6 +214,51 @@ def test_an_agent_on_the_chat_completions_model_calls_its_tool_and_answers(smol_
     assert calls and isinstance(result.final_output, str) and result.final_output
 
 
+def test_responses_parse_and_an_agents_output_type_get_their_objects(smol, smol_server):
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=20)
+        country: str = Field(max_length=20)
+
+    parsed = smol.responses.parse(model=SMOL, input="Name a city in Spain.", text_format=City, max_output_tokens=60)
+    assert isinstance(parsed.output_parsed, City)
+    client = openai.AsyncOpenAI(base_url=f"{smol_server.url}/v1", api_key="agent-key", max_retries=0)
+    agent = Agent(
+        name="city",
+        instructions="Answer with a city.",
+        model=OpenAIResponsesModel(model=SMOL, openai_client=client),
+        output_type=City,
+        model_settings=ModelSettings(max_tokens=60, temperature=0),
+    )
+    assert isinstance(asyncio.run(Runner.run(agent, "Name a city in Spain.", max_turns=2)).final_output, City)
+
+
+def test_a_streamed_agent_run_ends_with_the_streamed_text(smol_server):
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner
+
+    client = openai.AsyncOpenAI(base_url=f"{smol_server.url}/v1", api_key="agent-key", max_retries=0)
+    agent = Agent(
+        name="brief",
+        instructions="Answer briefly.",
+        model=OpenAIResponsesModel(model=SMOL, openai_client=client),
+        model_settings=ModelSettings(max_tokens=30, temperature=0),
+    )
+
+    async def run() -> tuple[str, str]:
+        streamed = Runner.run_streamed(agent, QUESTION)
+        deltas = [
+            event.data.delta
+            async for event in streamed.stream_events()
+            if event.type == "raw_response_event" and event.data.type == "response.output_text.delta"
+        ]
+        return "".join(deltas), streamed.final_output
+
+    text, final = asyncio.run(run())
+    assert text and text == final
+
+
 # ---- stored chains, keys and bounds (the tiny model) ---------------------------------------------
 
 
