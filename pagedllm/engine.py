@@ -577,7 +577,12 @@ def tokenize_prompt(tokenizer: PreTrainedTokenizerBase, prompt: PromptInput) -> 
 def _deltas(update: StepUpdate) -> list[RequestDelta]:
     """Each moved request's change in the step, leaving out those where nothing a caller sees changed (a
     prompt chunk computed, a beam step)."""
-    deltas = {group.request_id: RequestDelta(group.request_id, finished=group.finished) for group in update.groups}
+    deltas = {
+        group.request_id: RequestDelta(
+            group.request_id, finished=group.finished, num_cached_tokens=group.num_cached_tokens
+        )
+        for group in update.groups
+    }
     by_seq: dict[int, SequenceDelta] = {}
     for new in update.new_tokens:
         seq_delta = by_seq.get(new.seq.seq_id)

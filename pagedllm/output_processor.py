@@ -70,6 +70,7 @@ class _Request:
     prompt_logprobs: list[dict[int, Logprob]] | None = None
     beams: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    num_cached_tokens: int | None = None
 
     def sample(self, index: int) -> _Sample:
         """The sample, started from the prompt when it is new (parallel samples fork at their first token)."""
@@ -133,6 +134,8 @@ class OutputProcessor:
         return step
 
     def _apply(self, request: _Request, delta: RequestDelta, step: ProcessedStep) -> None:
+        if delta.num_cached_tokens is not None:
+            request.num_cached_tokens = delta.num_cached_tokens
         if request.prompt_logprobs is not None:
             for entry in delta.prompt_logprobs:
                 self._decode(entry)
@@ -201,6 +204,7 @@ class OutputProcessor:
             completions,
             request.finished,
             _prompt_logprobs(request),
+            request.num_cached_tokens,
         )
 
 

@@ -44,6 +44,7 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     prompt_logprobs: PromptLogprobs | None = None  # when asked for, once the whole prompt is computed
+    num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache (None until admitted)
 
 
 @dataclass(slots=True)
@@ -80,6 +81,7 @@ class RequestDelta:
     prompt_logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # prompt entries scored this step
     finished: bool = False  # the core holds nothing of the request any more
     beams: list[FinishedBeamOutput] | None = None  # a beam search's result, once finished
+    num_cached_tokens: int | None = None  # the prompt tokens the prefix cache held at its admission
 
 
 @dataclass(slots=True)

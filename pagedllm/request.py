@@ -16,6 +16,7 @@ class SequenceGroup:
     prompt_token_ids: list[int]
     seqs: list[Sequence]
     pending_forks: int = 0  # parallel samples still to fork from the first sequence at its first token
+    num_cached_tokens: int | None = None  # prompt tokens the prefix cache held when it was first admitted
     beam: BeamState | None = None  # set for beam search requests
 
     def live_seqs(self) -> list[Sequence]:

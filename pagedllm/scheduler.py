@@ -236,6 +236,8 @@ class Scheduler:
             for seq, hit in zip(seqs, hits, strict=True):
                 self.kv.record_prefix_query(seq.num_tokens, hit)
                 seq.status = SequenceStatus.RUNNING
+            if group.num_cached_tokens is None:  # a preempted request readmitted keeps its first count, as vLLM
+                group.num_cached_tokens = hits[0] if hits else 0
             self.waiting.popleft()
             self.running.append(group)
             budget -= spent

@@ -302,6 +302,14 @@ def test_a_continued_conversation_hits_the_prefix_cache_on_its_second_turn(tiny_
     second = tiny.responses.create(model=TINY, input="And then?", previous_response_id=first.id, max_output_tokens=4)
     assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
     assert tiny_server.metric("pagedllm:prefix_cache_hits_total") - hits >= 16  # at least one whole block
+    assert second.usage.input_tokens_details.cached_tokens >= 16 and first.usage.input_tokens_details.cached_tokens == 0
+
+
+def test_chat_usage_says_how_many_prompt_tokens_the_prefix_cache_served(tiny):
+    messages = [{"role": "user", "content": "Copy on write keeps shared blocks safe " * 3}]
+    first, again = (tiny.chat.completions.create(model=TINY, messages=messages, max_tokens=2) for _ in range(2))
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens >= 16
 
 
 def test_delete_forgets_a_response_for_its_key_only(tiny_server, tiny):

@@ -60,6 +60,14 @@ def test_a_hit_never_covers_the_last_prompt_token(tiny_llama):
     assert llm.stats().prefix_cache_hits == 12  # 3 blocks; the 4th holds the last prompt token
 
 
+def test_each_output_says_how_many_of_its_prompt_tokens_the_cache_served(tiny_llama):
+    llm = LLM(model=tiny_llama, dtype="float32", block_size=4)
+    prompt = prompts_of([16], seed=13)[0]
+    (first,) = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)
+    (again,) = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)
+    assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 12)
+
+
 def test_different_cache_salts_never_share(tiny_llama):
     llm = LLM(model=tiny_llama, dtype="float32", block_size=4)
     prompt = prompts_of([20], seed=12)[0]

@@ -420,7 +420,13 @@ def beam_params(body: protocol.SamplingRequest, constraint: Constraint | None, m
 def usage(finals: list[RequestOutput]) -> protocol.Usage:
     prompt = sum(len(output.prompt_token_ids) for output in finals)
     completion = sum(len(c.token_ids) for output in finals for c in output.outputs)
-    return protocol.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    cached = protocol.PromptTokensDetails(cached_tokens=sum(output.num_cached_tokens or 0 for output in finals))
+    return protocol.Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=cached,
+    )
 
 
 def sampled_logprob(completion: CompletionOutput, position: int) -> Logprob:

@@ -204,7 +204,7 @@ def _usage(final: RequestOutput) -> rp.ResponseUsage:
     prompt, output = len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs)
     return rp.ResponseUsage(
         input_tokens=prompt,
-        input_tokens_details=rp.InputTokensDetails(),
+        input_tokens_details=rp.InputTokensDetails(cached_tokens=final.num_cached_tokens or 0),
         output_tokens=output,
         output_tokens_details=rp.OutputTokensDetails(),
         total_tokens=prompt + output,
