@@ -187,6 +187,26 @@ def prompt_hit_tokens_of(metrics: dict[str, float]) -> float:
     return sum(value for name, value in metrics.items() if name.startswith("pagedllm:prefix_cache_hits_total"))
 
 
+def test_a_stored_conversation_is_continued_on_the_replica_that_holds_it(ray_server: ServerProcess):
+    """Each replica keeps its own responses: the front sends every turn of a chain, and every read of a stored
+    response, to the replica that stored it (with two replicas, a random pick would miss half the time)."""
+    url = f"{ray_server.url}/v1/responses"
+    previous, ids = None, []
+    for turn in range(8):
+        body = {"model": "m", "input": f"turn {turn}", "max_output_tokens": 2, "previous_response_id": previous}
+        streamed = turn % 2 == 1
+        response = httpx.post(url, json=body | {"stream": streamed}, timeout=60)
+        assert response.status_code == 200, response.text
+        if streamed:
+            created = next(line for line in response.text.splitlines() if line.startswith("data: "))
+            previous = json.loads(created.removeprefix("data: "))["response"]["id"]
+        else:
+            previous = response.json()["id"]
+        ids.append(previous)
+    for response_id in ids:
+        assert httpx.get(f"{url}/{response_id}", timeout=60).json()["id"] == response_id
+
+
 def test_per_replica_paths_and_aggregated_metrics(ray_server: ServerProcess):
     for index in (0, 1):
         health = httpx.get(f"{ray_server.url}/replicas/{index}/health", timeout=15)

@@ -13,6 +13,8 @@ KV page.
 import asyncio
 import json
 import logging
+import re
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -44,6 +46,7 @@ _GENERATING = {"/v1/completions": protocol.CompletionRequest, "/v1/chat/completi
 _ADAPTER_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 _PER_REPLICA_S = 10.0  # how long /metrics and /health wait for one replica
 _FAILURES = (RayActorError, BackPressureError)
+RESPONSE_HOMES = 1_000_000  # stored responses' replicas remembered (a few hundred bytes each)
 
 # ---- helpers ------------------------------------------------------------------------------------
 
@@ -109,6 +112,51 @@ async def _streamed(rest: DeploymentResponseGenerator, replica: str) -> AsyncIte
         rest.cancel()  # the client left early: the replica's app sees the disconnect and aborts
 
 
+_RESPONSES = "/v1/responses"
+_RESPONSE_ID = re.compile(rb'"id":\s*"(resp_[0-9a-f]+)"')
+
+
+class ResponseHomes:
+    """Which replica stored each response (`/v1/responses` keeps them in its replica's memory): a continued
+    conversation (`previous_response_id`) and `GET`/`DELETE`/`cancel` of a response go to that replica. Bounded,
+    oldest out first, as the replicas' own stores are."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._homes: OrderedDict[str, str] = OrderedDict()
+
+    def remember(self, head: bytes, replica: str) -> None:
+        """`head`: the start of a /v1/responses answer (the response, or its stream's first event) naming its id."""
+        found = _RESPONSE_ID.search(head)
+        if found is None:
+            return
+        self._homes[found.group(1).decode()] = replica
+        while len(self._homes) > self.limit:
+            self._homes.popitem(last=False)
+
+    def home(self, request: ForwardedRequest) -> str | None:
+        """The replica holding the response `request` reads or continues, if known."""
+        if request.path == _RESPONSES and request.method == "POST":
+            try:
+                previous = json.loads(request.body).get("previous_response_id")
+            except (ValueError, AttributeError):  # not a JSON object: the replica refuses it with its error
+                return None
+            return self._homes.get(previous) if isinstance(previous, str) else None
+        if request.path.startswith(_RESPONSES + "/"):
+            return self._homes.get(request.path.split("/")[3])
+        return None
+
+
+async def _sniffed(chunks: AsyncIterator[bytes], homes: ResponseHomes, replica: str) -> AsyncIterator[bytes]:
+    """A Responses stream passed on, its id remembered from its first event."""
+    first = True
+    async for chunk in chunks:
+        if first:
+            homes.remember(chunk, replica)
+            first = False
+        yield chunk
+
+
 def _unavailable(message: str) -> JSONResponse:
     response = ApiError(503, message, kind="server_error").response()
     response.headers["Retry-After"] = "1"
@@ -167,6 +215,7 @@ class FrontApp:
         self.engines = engines
         self.block_size = block_size
         self._tokenizer, self._names = described["tokenizer"], described["served_model_names"]
+        self._homes = ResponseHomes(RESPONSE_HOMES)
         # The replicas' own schema and docs answer /openapi.json and /docs (the catch-all forwards them).
         self.app = FastAPI(title="pagedllm on Ray", openapi_url=None, docs_url=None, redoc_url=None)
         self.app.add_api_route("/replicas/{index}/{path:path}", self.per_replica, methods=_METHODS)
@@ -190,9 +239,15 @@ class FrontApp:
                 return await self._answer(request, prefix=routing.get("prefix"))
             return answer
         start, rest = answer
+        stores = request.path == _RESPONSES and request.method == "POST"
         if _is_stream(start):
-            return StreamingResponse(_streamed(rest, start.replica), start.status, _headers(start))
+            chunks = _streamed(rest, start.replica)
+            if stores:
+                chunks = _sniffed(chunks, self._homes, start.replica)
+            return StreamingResponse(chunks, start.status, _headers(start))
         body, end = await _whole(rest)
+        if stores and start.status == 200:
+            self._homes.remember(body[:512], start.replica)
         dead = end is None or not end.engine_alive
         if dead:
             state.FAILED.add(start.replica)
@@ -284,6 +339,9 @@ class FrontApp:
         forwarded = await _forwarded(request)
         if forwarded.path in _ADAPTER_PATHS:
             return await self._broadcast(forwarded)
+        home = self._homes.home(forwarded)
+        if home is not None and home in self._replicas():
+            return await self._answer(forwarded, replica=home)  # only that replica holds the conversation
         prefix = await self._prefix(forwarded)
         return await self._answer(forwarded, prefix=prefix, retry=True)
 
