@@ -1,5 +1,5 @@
-"""Reasoning models through the server: a tiny random Qwen3 with a Qwen3-style chat template (its `enable_thinking`
-switch, tools in `<tools>`, calls in `<tool_call>`), driven by logit bias and a constraint so that the think tags
+"""Reasoning models through the server: a tiny random Qwen3 with a Qwen3-style chat template (tests/qwen3_chat.py),
+driven by logit bias and a constraint so that the think tags
 really appear; chat's `reasoning_content` (whole and streamed), the Responses API's reasoning items, constraints that
 hold the answer after the thinking, and `chat_template_kwargs` reaching the template."""
 
@@ -14,74 +14,11 @@ import openai
 import pytest
 
 from pagedllm.entrypoints.openai import reasoning_parsers
-from tests.conftest import CHAT_TEMPLATE, build_tokenizer, save_tiny_model
+from tests.conftest import CHAT_TEMPLATE
+from tests.qwen3_chat import MARKERS, QWEN3_CHAT_TEMPLATE, save_tiny_qwen3
 from tests.test_server import ServerProcess, start_server, stop_server
 
 QWEN = "qwen"
-THINK_TAGS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
-# Written for these tests after Qwen3's template, with the parts the server relies on: the switch that closes an
-# empty think block in the generation prompt, tools in the system turn, calls and results in Hermes' tags, and an
-# earlier turn's reasoning shown only after the last user message.
-QWEN3_STYLE_TEMPLATE = """\
-{%- if tools %}<|im_start|>system
-{%- if messages[0].role == 'system' %}
-{{ messages[0].content }}
-{% endif %}
-# Tools
-
-You may call one or more functions to assist with the user query.
-
-You are provided with function signatures within <tools></tools> XML tags:
-<tools>
-{%- for tool in tools %}
-{{ tool | tojson }}
-{%- endfor %}
-</tools>
-
-For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
-<tool_call>
-{"name": <function-name>, "arguments": <args-json-object>}
-</tool_call><|im_end|>
-{% elif messages[0].role == 'system' %}<|im_start|>system
-{{ messages[0].content }}<|im_end|>
-{% endif %}
-{%- set ns = namespace(last_user=-1) %}
-{%- for message in messages %}{% if message.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}
-{%- for message in messages %}
-{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}<|im_start|>{{ message.role }}
-{{ message.content }}<|im_end|>
-{% elif message.role == 'assistant' %}<|im_start|>assistant
-{% if message.reasoning_content and loop.index0 > ns.last_user %}<think>
-{{ message.reasoning_content }}
-</think>
-
-{% endif %}{{ message.content or '' }}
-{%- for call in message.tool_calls or [] %}
-<tool_call>
-{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
-</tool_call>
-{%- endfor %}<|im_end|>
-{% elif message.role == 'tool' %}<|im_start|>user
-<tool_response>
-{{ message.content }}
-</tool_response><|im_end|>
-{% endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% if enable_thinking is defined and enable_thinking is false %}<think>
-
-</think>
-
-{% endif %}{% endif %}"""
-
-
-def save_tiny_qwen3(folder: Path) -> Path:
-    tokenizer = build_tokenizer()
-    tokenizer.add_tokens(THINK_TAGS)  # ordinary added tokens, as in Qwen3: skip_special_tokens keeps them
-    save_tiny_model(folder, "qwen3", vocab_size=len(tokenizer), max_position_embeddings=2048)  # room for tools
-    tokenizer.chat_template = QWEN3_STYLE_TEMPLATE
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -106,17 +43,17 @@ def tag_ids(qwen_folder) -> dict[str, int]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(qwen_folder)
-    return {tag: tokenizer.convert_tokens_to_ids(tag) for tag in THINK_TAGS}
+    return {tag: tokenizer.convert_tokens_to_ids(tag) for tag in MARKERS}
 
 
 def test_auto_picks_the_parser_from_the_template():
     assert isinstance(
-        reasoning_parsers.get_reasoning_parser("auto", QWEN3_STYLE_TEMPLATE), reasoning_parsers.Qwen3Parser
+        reasoning_parsers.get_reasoning_parser("auto", QWEN3_CHAT_TEMPLATE), reasoning_parsers.Qwen3Parser
     )
-    r1 = "{% if add_generation_prompt %}<|Assistant|><think>\n{% endif %}</think>"
+    r1 = "{% if add_generation_prompt %}<|Assistant|><think>\n{% endif %}"
     assert isinstance(reasoning_parsers.get_reasoning_parser("auto", r1), reasoning_parsers.DeepSeekR1Parser)
     assert reasoning_parsers.get_reasoning_parser("auto", CHAT_TEMPLATE) is None
-    assert reasoning_parsers.get_reasoning_parser("none", QWEN3_STYLE_TEMPLATE) is None
+    assert reasoning_parsers.get_reasoning_parser("none", QWEN3_CHAT_TEMPLATE) is None
 
 
 def thinking_request(tag_ids: dict[str, int], **more) -> dict:

@@ -6,12 +6,20 @@
 - `deepseek_r1`: the generation prompt may already have opened the block, so the reply starts inside it (an
   opening tag, if written, is dropped); everything before `</think>` is reasoning, and with no `</think>` at all
   everything is.
+
+Both follow vLLM's parsers of those names, but for one thing: the newlines the model writes after `</think>` (the
+templates' own layout: Qwen3's puts `</think>` then two newlines, and drops them itself when it shows an earlier turn)
+are not content, where vLLM keeps them.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Protocol
+
+import jinja2
+from transformers.utils.chat_template_utils import render_jinja_template
 
 START, END = "<think>", "</think>"
 
@@ -26,7 +34,11 @@ class Split:
 
 @dataclass(frozen=True, slots=True)
 class Settled:
-    """What an unfinished reply has settled: the reasoning and the content that no later text can change."""
+    """What an unfinished reply has settled: the reasoning and the content that no later text can change. For every
+    reply `t` that text `p` may still grow into, `settled(p).reasoning` is a prefix of `split(t).reasoning` and
+    `settled(p).content` of `split(t).content` (None read as ""): tags and partial tags are never in them, and text
+    that may yet turn out to be a tag is held back. A stream that counts the characters of each it already sent
+    sends `reasoning[sent:]` and `content[sent:]` of each new reading, and at the end the rest of `split`'s."""
 
     reasoning: str
     content: str
@@ -113,20 +125,49 @@ def closed_in_prompt(prompt: str) -> bool:
 
 
 _PARSERS: dict[str, type[ReasoningParser]] = {"qwen3": Qwen3Parser, "deepseek_r1": DeepSeekR1Parser}
+# `--reasoning-parser`'s choices: "auto" picks by the chat template, "none" splits nothing.
+REASONING_PARSERS: tuple[str, ...] = ("auto", "none", *_PARSERS)
 
 
-def get_reasoning_parser(name: str, template: str | None) -> ReasoningParser | None:
-    """The parser `name` names; "none": none; "auto": chosen from the chat template where it says clearly: one that
-    opens the block in its generation prompt is R1's way (DeepSeek-R1, QwQ), one that knows `enable_thinking` and
-    the tags is Qwen3's; any other template, none."""
-    if name == "none":
+def get_reasoning_parser(name: str | None, template: str | None) -> ReasoningParser | None:
+    """The parser `name` names; None or "none": none; "auto": chosen from the chat template where it says clearly:
+    one whose generation prompt opens the block is R1's way (DeepSeek-R1, QwQ, Qwen3's Thinking-2507), one that
+    knows `enable_thinking` and the tags is Qwen3's; any other template, none."""
+    if name is None or name == "none":
         return None
-    if name != "auto":
-        return _PARSERS[name]()
-    if template is None or END not in template:
-        return None
-    if "<|Assistant|><think>" in template or "<|im_start|>assistant\\n<think>\\n" in template:
+    if name == "auto":
+        return _parser_for(template)
+    if name not in _PARSERS:
+        raise ValueError(f"unknown reasoning parser {name!r}; known: {', '.join(REASONING_PARSERS)}")
+    return _PARSERS[name]()
+
+
+def _parser_for(template: str | None) -> ReasoningParser | None:
+    if template is None or START not in template:
+        return None  # a template without the tag cannot write it into the prompt
+    # Asked first: a template may both know `enable_thinking` and open the block itself when thinking is on
+    # (Qwen3.5's), and then the reply starts inside the block, as R1's does.
+    if _prompt_opens_block(template):
         return DeepSeekR1Parser()
     if "enable_thinking" in template:
         return Qwen3Parser()
     return None
+
+
+@functools.lru_cache(maxsize=16)
+def _prompt_opens_block(template: str) -> bool:
+    """Whether the template's generation prompt ends by opening the block, as transformers renders it for a one-line
+    chat: read from the rendering, because the templates spell the prompt many ways (DeepSeek's with full-width bars
+    in `<｜Assistant｜>`, Jinja string escapes, the tag also written for earlier turns)."""
+    try:
+        (rendered,), _ = render_jinja_template(
+            [[{"role": "user", "content": "hi"}]],
+            chat_template=template,
+            add_generation_prompt=True,
+            # Templates add these to strings; undefined, that addition fails.
+            bos_token="",
+            eos_token="",
+        )
+    except (jinja2.TemplateError, TypeError, ValueError):
+        return False  # a template that cannot render this chat names no parser
+    return rendered.rstrip().endswith(START)
