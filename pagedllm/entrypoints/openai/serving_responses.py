@@ -91,8 +91,8 @@ def _add_call(messages: list[protocol.ChatMessage], call: protocol.ToolCall) -> 
 def _output_messages(reading: replies.Reading, ids: _ItemIds) -> list[protocol.ChatMessage]:
     """The reply as the next turn's history holds it: one assistant message, its calls under their call ids."""
     calls = [
-        protocol.ToolCall(id=call_id, function=protocol.FunctionCall(name=call.name, arguments=call.arguments))
-        for call, call_id in zip(reading.calls, ids.calls(len(reading.calls)), strict=True)
+        protocol.ToolCall(id=item.call_id, function=protocol.FunctionCall(name=item.name, arguments=item.arguments))
+        for item in _call_items(reading, ids)
     ]
     if not calls and reading.content is None:
         return []
@@ -165,21 +165,22 @@ class _ItemIds:
     message: str = field(default_factory=lambda: _id("msg"))
     call_ids: list[tuple[str, str]] = field(default_factory=list)  # (item id, call id) per call
 
-    def calls(self, count: int) -> list[str]:
-        self._grow(count)
-        return [call_id for _, call_id in self.call_ids[:count]]
-
-    def call_item(self, index: int) -> str:
-        self._grow(index + 1)
-        return self.call_ids[index][0]
-
-    def _grow(self, count: int) -> None:
+    def calls(self, count: int) -> list[tuple[str, str]]:
+        """The (item id, call id) of the first `count` calls."""
         while len(self.call_ids) < count:
             self.call_ids.append((_id("fc"), f"call_{uuid.uuid4().hex[:24]}"))
+        return self.call_ids[:count]
 
 
 def _has_message(reading: replies.Reading) -> bool:
     return reading.content is not None and bool(reading.content or not reading.calls)
+
+
+def _call_items(reading: replies.Reading, ids: _ItemIds) -> list[rp.FunctionCallOutput]:
+    return [
+        rp.FunctionCallOutput(id=item_id, call_id=call_id, name=call.name, arguments=call.arguments, status="completed")
+        for call, (item_id, call_id) in zip(reading.calls, ids.calls(len(reading.calls)), strict=True)
+    ]
 
 
 def _output_items(reading: replies.Reading, ids: _ItemIds, status: str) -> list[rp.OutputItem]:
@@ -190,14 +191,7 @@ def _output_items(reading: replies.Reading, ids: _ItemIds, status: str) -> list[
     if _has_message(reading):
         text = [rp.OutputText(text=reading.content)]
         items.append(rp.OutputMessage(id=ids.message, status=status, content=text))
-    for index, (call, call_id) in enumerate(zip(reading.calls, ids.calls(len(reading.calls)), strict=True)):
-        item_id = ids.call_item(index)
-        items.append(
-            rp.FunctionCallOutput(
-                id=item_id, call_id=call_id, name=call.name, arguments=call.arguments, status="completed"
-            )
-        )
-    return items
+    return [*items, *_call_items(reading, ids)]
 
 
 def _usage(final: RequestOutput) -> rp.ResponseUsage:
@@ -252,37 +246,29 @@ class _Turn:
             **more,
         )
 
-    def finished(self, final: RequestOutput, reader: replies.ReplyReader, ids: _ItemIds) -> rp.Response:
-        completion = final.outputs[0]
-        reading = reader.read(completion.text)
-        cut = completion.finish_reason == "length"
+    def finished(self, final: RequestOutput, reading: replies.Reading, ids: _ItemIds) -> rp.Response:
+        """The response of the finished request `final`, whose reply reads as `reading`."""
+        cut = final.outputs[0].finish_reason == "length"
         items = _output_items(reading, ids, "incomplete" if cut else "completed")
         details = rp.IncompleteDetails(reason="max_output_tokens") if cut else None
         status = "incomplete" if cut else "completed"
         return self.response(status, items, usage=_usage(final), incomplete_details=details, completed_at=_now())
 
-    def stored(
-        self, response: rp.Response, reader: replies.ReplyReader, final: RequestOutput | None, ids: _ItemIds
-    ) -> StoredResponse:
-        reading = reader.read(final.outputs[0].text) if final is not None else None
+    def stored(self, response: rp.Response, reading: replies.Reading | None, ids: _ItemIds) -> StoredResponse:
+        """`response` kept with its conversation, to which its reply (`reading`, None while it runs) is added."""
         output = _output_messages(reading, ids) if reading is not None else []
         return StoredResponse(self.owner, response, [*self.conversation, *output])
 
 
 def _kept(
-    store: ResponseStore,
-    turn: _Turn,
-    response: rp.Response,
-    reader: replies.ReplyReader,
-    final: RequestOutput,
-    ids: _ItemIds,
+    store: ResponseStore, turn: _Turn, response: rp.Response, reading: replies.Reading, ids: _ItemIds
 ) -> rp.Response:
     """`response`, stored when its request asked: one the store cannot take (over its bytes, or full of running
     background responses) is answered all the same, saying `store: false`, since its tokens are already made."""
     if not turn.body.store:
         return response
     try:
-        store.put(turn.stored(response, reader, final, ids))
+        store.put(turn.stored(response, reading, ids))
     except common.ApiError:
         return response.model_copy(update={"store": False})
     return response
@@ -318,8 +304,8 @@ class OpenAIServingResponses:
             abort = BackgroundTask(run.group.abort)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers, background=abort)
         (final,) = await common.finals_or_abort(run.group, request)
-        ids = _ItemIds()
-        response = _kept(self.store, turn, turn.finished(final, run.reader, ids), run.reader, final, ids)
+        ids, reading = _ItemIds(), run.reader.read(final.outputs[0].text)
+        response = _kept(self.store, turn, turn.finished(final, reading, ids), reading, ids)
         return JSONResponse(response.model_dump(), headers=headers)
 
     def _turn(self, body: rp.ResponsesRequest, owner: str, model: str) -> tuple[_Turn, protocol.ChatCompletionRequest]:
@@ -343,7 +329,7 @@ class OpenAIServingResponses:
 
     def _in_background(self, turn: _Turn, run: ChatRun) -> rp.Response:
         queued = turn.response("queued")
-        entry = turn.stored(queued, run.reader, None, _ItemIds())
+        entry = turn.stored(queued, None, _ItemIds())
         self.store.put(entry)
         entry.task = asyncio.ensure_future(self._run_in_background(turn, run, entry))
         return queued
@@ -361,9 +347,8 @@ class OpenAIServingResponses:
         if final.outputs[0].finish_reason == "abort":  # cancelled
             entry.response = turn.response("cancelled")
             return
-        ids = _ItemIds()
-        done = turn.finished(final, run.reader, ids)
-        finished = turn.stored(done, run.reader, final, ids)
+        ids, reading = _ItemIds(), run.reader.read(final.outputs[0].text)
+        finished = turn.stored(turn.finished(final, reading, ids), reading, ids)
         entry.response, entry.conversation = finished.response, finished.conversation
         entry.task = None
         try:
@@ -517,21 +502,17 @@ class _EventStream:
         if _has_message(reading) and self.open_message is None:
             events += self._open_message()  # an empty reply still has its message
         events += self._close_message(status)
-        for number, (call, call_id) in enumerate(zip(reading.calls, self.ids.calls(len(reading.calls)), strict=True)):
-            index, item_id = self._next_output(), self.ids.call_item(number)
-            item = rp.FunctionCallOutput(
-                id=item_id, call_id=call_id, name=call.name, arguments="", status="in_progress"
-            )
-            events.append(self._item_event("response.output_item.added", index, item))
-            at = {"item_id": item_id, "output_index": index}
-            events.append(self._event("response.function_call_arguments.delta", **at, delta=call.arguments))
+        for item in _call_items(reading, self.ids):
+            index = self._next_output()
+            opened = item.model_copy(update={"arguments": "", "status": "in_progress"})
+            events.append(self._item_event("response.output_item.added", index, opened))
+            at = {"item_id": item.id, "output_index": index}
+            events.append(self._event("response.function_call_arguments.delta", **at, delta=item.arguments))
             events.append(
-                self._event("response.function_call_arguments.done", **at, name=call.name, arguments=call.arguments)
+                self._event("response.function_call_arguments.done", **at, name=item.name, arguments=item.arguments)
             )
-            done = item.model_copy(update={"arguments": call.arguments, "status": "completed"})
-            events.append(self._item_event("response.output_item.done", index, done))
-        response = self.turn.finished(final, self.run.reader, self.ids)
-        response = _kept(self.store, self.turn, response, self.run.reader, final, self.ids)
+            events.append(self._item_event("response.output_item.done", index, item))
+        response = _kept(self.store, self.turn, self.turn.finished(final, reading, self.ids), reading, self.ids)
         events.append(self._event("response.completed", response=response))
         return events
 
