@@ -247,6 +247,23 @@ def _settled(text: str, markers: Sequence[str]) -> int:
     return end if text[:end].strip() else 0
 
 
+CallsAt = Callable[[str, int], tuple[tuple[ParsedCall, ...], int]]  # (text, marker's position) -> calls, their end
+
+
+def _parse_at(text: str, marker: str, calls_at: CallsAt, dropped: str = "") -> Parsed:
+    """A reply whose calls start at the first `marker`: the text around them is content (`dropped` taken out of
+    what follows), and a reply whose calls do not read is all content."""
+    start = text.find(marker)
+    if start < 0:
+        return Parsed(text)
+    try:
+        calls, end = calls_at(text, start)
+    except _UNPARSED:
+        return Parsed(text)
+    after = text[end:].replace(dropped, "") if dropped else text[end:]
+    return Parsed(_content(text[:start], after), calls)
+
+
 def _until(text: str, end: str) -> tuple[str, str]:
     """`text` split at `end` (dropped); all of it if `end` is missing, as when the length limit cut the reply."""
     body, _, rest = text.partition(end)
@@ -262,14 +279,7 @@ class MistralParser:
     _NAME = re.compile(r"([\w.\-]+)[ \t]*(?:\[ARGS\])?[ \t]*")
 
     def parse(self, text: str) -> Parsed:
-        start = text.find(self._MARKER)
-        if start < 0:
-            return Parsed(text)
-        try:
-            calls, end = self._calls(text, start)
-        except _UNPARSED:
-            return Parsed(text)
-        return Parsed(_content(text[:start], text[end:]), calls)
+        return _parse_at(text, self._MARKER, self._calls)
 
     def settled(self, text: str) -> int:
         return _settled(text, (self._MARKER,))
@@ -380,20 +390,17 @@ class Phi4MiniJsonParser:
     _MARKER = "functools["
 
     def parse(self, text: str) -> Parsed:
-        start = text.find(self._MARKER)
-        if start < 0:
-            return Parsed(text)
-        try:
-            items, end = json.JSONDecoder().raw_decode(text, start + len(self._MARKER) - 1)
-            if not isinstance(items, list) or not items:
-                raise _NotACall(items)
-            calls = tuple(_call(item) for item in items)
-        except _UNPARSED:
-            return Parsed(text)
-        return Parsed(_content(text[:start], text[end:]), calls)
+        return _parse_at(text, self._MARKER, self._calls)
 
     def settled(self, text: str) -> int:
         return _settled(text, (self._MARKER,))
+
+    def _calls(self, text: str, position: int) -> tuple[tuple[ParsedCall, ...], int]:
+        # The marker's own "[" opens the array.
+        items, end = json.JSONDecoder().raw_decode(text, position + len(self._MARKER) - 1)
+        if not isinstance(items, list) or not items:
+            raise _NotACall(items)
+        return tuple(_call(item) for item in items), end
 
 
 class FunctionGemmaParser:
@@ -407,14 +414,7 @@ class FunctionGemmaParser:
     _RESPONSE = "<start_function_response>"  # where the model stops for the result, when it is in the text
 
     def parse(self, text: str) -> Parsed:
-        start = text.find(self._START)
-        if start < 0:
-            return Parsed(text)
-        try:
-            calls, end = self._calls(text, start)
-        except _UNPARSED:
-            return Parsed(text)
-        return Parsed(_content(text[:start], text[end:].replace(self._RESPONSE, "")), calls)
+        return _parse_at(text, self._START, self._calls, dropped=self._RESPONSE)
 
     def settled(self, text: str) -> int:
         return _settled(text, (self._START,))
