@@ -21,6 +21,8 @@ from typing import Protocol
 import jinja2
 from transformers.utils.chat_template_utils import render_jinja_template
 
+from pagedllm.entrypoints.openai.tool_parsers import partial_marker
+
 START, END = "<think>", "</think>"
 
 
@@ -55,14 +57,6 @@ class ReasoningParser(Protocol):
         """Of an unfinished reply, the prefixes of its final reasoning and content that are known already."""
 
 
-def _held(text: str, marker: str) -> int:
-    """How many characters at the end of `text` may still grow into `marker`."""
-    for length in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:length]):
-            return length
-    return 0
-
-
 class Qwen3Parser:
     """The block counts only where the reply opens with it (after any blank space): a tag quoted later in an
     answer is the answer's."""
@@ -92,7 +86,7 @@ def _inside(body: str) -> Settled:
     """Settled text of a reply whose block is open: the reasoning up to a tag that may be on its way."""
     end = body.find(END)
     if end < 0:
-        return Settled(body[: len(body) - _held(body, END)], "")
+        return Settled(body[: len(body) - partial_marker(body, END)], "")
     return Settled(body[:end], _answer(body[end + len(END) :]) or "")
 
 

@@ -178,7 +178,7 @@ class HermesParser:
 
     def settled(self, text: str) -> int:
         start = text.find(self._START)
-        return start if start >= 0 else len(text) - _partial_marker(text, self._START)
+        return start if start >= 0 else len(text) - partial_marker(text, self._START)
 
 
 class Llama3JsonParser:
@@ -243,7 +243,7 @@ def _settled(text: str, markers: Sequence[str]) -> int:
     """The content an unfinished reply has settled: up to the first marker, or all but an end that may grow into
     one; none while that is blank space, which `_content` drops when a call follows."""
     starts = [start for marker in markers if (start := text.find(marker)) >= 0]
-    end = min(starts) if starts else len(text) - max(_partial_marker(text, marker) for marker in markers)
+    end = min(starts) if starts else len(text) - max(partial_marker(text, marker) for marker in markers)
     return end if text[:end].strip() else 0
 
 
@@ -610,7 +610,7 @@ def auto_parser(name: str, template: str | None) -> ToolParser:
     return _PARSERS[name]()
 
 
-def _partial_marker(text: str, marker: str) -> int:
+def partial_marker(text: str, marker: str) -> int:
     """The length of the longest end of `text` that begins `marker`: it may grow into the marker."""
     for length in range(min(len(marker) - 1, len(text)), 0, -1):
         if text.endswith(marker[:length]):
