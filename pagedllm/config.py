@@ -34,6 +34,7 @@ from pagedllm.domains import (
     Texts,
     Tuples,
 )
+from pagedllm.pooling_params import TASKS
 
 DEFAULT_KV_CACHE_MEMORY = 4 << 30  # bytes; the same default as vLLM's CPU backend
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
@@ -102,6 +103,14 @@ class EngineConfig:
 
     model: str | Path | None = option(
         None, "HF folder or .gguf file (default: the embedded SmolLM2-135M)", domain=ExistingPaths()
+    )
+    task: str = option(
+        "auto",
+        "what the engine runs: generate (text), embed (a vector per prompt: /v1/embeddings, LLM.embed) or score "
+        "(a relevance score per query and document: /v1/score, /v1/rerank, LLM.score); auto reads the checkpoint "
+        "(a *ForSequenceClassification architecture or classifier_from_token: score; sentence-transformers' "
+        "modules.json or a bare *Model: embed; else generate)",
+        domain=Choices(TASKS),
     )
     dtype: str | torch.dtype = option(
         "auto", "auto (bfloat16 where the CPU has native bf16, else float32), " + ", ".join(_DTYPES), domain=DTypes()

@@ -35,6 +35,8 @@ from pagedllm.outputs import (
     RequestOutput,
     SequenceDelta,
 )
+from pagedllm.pooling import EMBED, GENERATE, SCORE, Pooler, PoolState, resolve_task
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.request import SequenceGroup
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.scheduler import Scheduler
@@ -91,6 +93,8 @@ class LLMEngine:
         lean = reads_lean_folder(config.device, config.tensor_parallel_size, config.dequantize)
         folder = resolve_model_folder(config.model, lean)
         model_config = ModelConfig.from_folder(folder)
+        self.task = resolve_task(config.task, folder, json.loads((folder / "config.json").read_text()))
+        _check_task(self.task, model_config, config)
         settings = config.speculative_config
         speculative = None if settings is None else SpeculativeConfig.from_dict(settings)
         draft_config = None
@@ -111,6 +115,8 @@ class LLMEngine:
         )
         self.tokenizer = self.loaded.tokenizer
         self.text_bound = TextBound.of(self.tokenizer)
+        # How prompts become vectors, on an embed or score engine.
+        self.pooler = None if self.task == GENERATE else Pooler.of(model_config, self.task, self.tokenizer.get_vocab())
         model = self.loaded.model
         shape = KVShape.of(
             model.num_layers,
@@ -179,12 +185,17 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptInput,
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         lora_request: LoRARequest | None = None,
     ) -> None:
-        """Validate and queue a request. A request that could never run is refused here, never left to hang.
-        A prompt dict may carry `cache_salt`: requests with different salts never share cached blocks (nor do
-        requests of different adapters, nor an adapter's and the base model's)."""
+        """Validate and queue a request: a generation (`SamplingParams`) on a generate engine, a vector
+        (`PoolingParams`) on an embed or score one. A request that could never run is refused here, never left
+        to hang. A prompt dict may carry `cache_salt`: requests with different salts never share cached blocks
+        (nor do requests of different adapters, nor an adapter's and the base model's)."""
+        if isinstance(params, PoolingParams):
+            self._queue(self._new_pooling_group(request_id, prompt, params, lora_request))
+            return
+        self._check_generates()
         params = params or SamplingParams()
         group = self._new_group(request_id, prompt, params, params.max_tokens, params.num_samples, lora_request)
         group.pending_forks = params.num_samples - 1
@@ -220,6 +231,7 @@ class LLMEngine:
     def add_beam_request(
         self, request_id: str, prompt: PromptInput, params: BeamSearchParams, lora_request: LoRARequest | None = None
     ) -> None:
+        self._check_generates()
         greedy = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos)
         group = self._new_group(request_id, prompt, greedy, params.max_tokens, params.beam_width, lora_request)
         group.beam = BeamState(params, self.scheduler.eos_ids)
@@ -246,6 +258,44 @@ class LLMEngine:
         seq.lora = lora_request
         if params.structured_outputs is not None:
             seq.grammar = self.structured_outputs.matcher(params.structured_outputs)
+        return SequenceGroup(request_id, text, token_ids, [seq])
+
+    def _check_generates(self) -> None:
+        if self.task != GENERATE:
+            raise ValueError(
+                f"this engine's task is {self.task}: it gives {_TASK_GIVES[self.task]}, not generated text (start "
+                "another with task generate)"
+            )
+
+    def _new_pooling_group(
+        self, request_id: str, prompt: PromptInput, params: PoolingParams, lora_request: LoRARequest | None
+    ) -> SequenceGroup:
+        """A pooling request: one sequence that runs its prompt, up to max_model_len tokens (or its last
+        `truncate_prompt_tokens`), and is pooled into a vector."""
+        if self.pooler is None:
+            raise ValueError(
+                "this engine's task is generate: it gives no embeddings or scores (start another with task embed "
+                "or score)"
+            )
+        self.pooler.check(params)
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        limit = params.truncate_prompt_tokens
+        text, token_ids = tokenize_prompt(self.tokenizer, prompt) if limit else self.tokenize(prompt)
+        if limit:
+            token_ids = token_ids[-(self.max_model_len if limit == -1 else min(limit, self.max_model_len)) :]
+        self._check_tokens(token_ids)
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len} (truncate_prompt_tokens "
+                "keeps its last tokens instead)"
+            )
+        self.scheduler.check_fits(len(token_ids), len(token_ids), 1)
+        if lora_request is not None:
+            self.add_lora(lora_request)
+        seq = self.sequences.new_pooled(request_id, token_ids, PoolState(self.pooler, params))
+        seq.cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        seq.lora = lora_request
         return SequenceGroup(request_id, text, token_ids, [seq])
 
     # ---- LoRA adapters (vLLM's names) ----------------------------------------------------------
@@ -300,16 +350,21 @@ class LLMEngine:
     def _queue(self, group: SequenceGroup) -> None:
         self.requests[group.request_id] = group
         if self.output_processor is not None:
-            params = group.beam.params if group.beam is not None else group.seqs[0].params
+            first = group.seqs[0]
+            params = first.params if first.pool is None else first.pool.params
+            params = group.beam.params if group.beam is not None else params
             self.output_processor.add(group.request_id, group.prompt, group.prompt_token_ids, params)
         self.scheduler.add(group)
 
-    def _check_fits(self, token_ids: list[int], max_tokens: int | None, num_seqs: int) -> int:
+    def _check_tokens(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise ValueError("prompt is empty")
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+
+    def _check_fits(self, token_ids: list[int], max_tokens: int | None, num_seqs: int) -> int:
+        self._check_tokens(token_ids)
         room = self.max_model_len - len(token_ids)
         if room < 1:
             raise ValueError(
@@ -592,6 +647,8 @@ def _deltas(update: StepUpdate) -> list[RequestDelta]:
         _add_token(seq_delta, new)
     for seq, entries in update.prompt_logprobs:
         deltas[seq.request_id].prompt_logprobs.extend(entries)
+    for seq, vector in update.pooled:
+        deltas[seq.request_id].pooled = vector
     for group in update.groups:
         if group.beam is not None and group.finished:
             prompt_len = len(group.prompt_token_ids)
@@ -633,6 +690,22 @@ def _parts_by_request(out: SchedulerOutput) -> dict[str, SchedulerOutput]:
         rows = {row: index for index, row in enumerate(sorted({sample.logits_row for sample in part.samples}))}
         part.samples = [dataclasses.replace(sample, logits_row=rows[sample.logits_row]) for sample in part.samples]
     return parts
+
+
+_TASK_GIVES = {EMBED: "embeddings", SCORE: "scores"}
+
+
+def _check_task(task: str, model: ModelConfig, config: EngineConfig) -> None:
+    """Refuse a task this checkpoint, or these options, cannot run."""
+    if task == GENERATE and not model.has_lm_head:
+        raise ValueError(
+            f"{model.folder}: a {model.architecture} checkpoint has no LM head to generate with; run it with task "
+            f"{'score' if model.num_labels else 'embed'}"
+        )
+    if task == EMBED and model.num_labels:
+        raise ValueError(f"{model.folder}: a {model.architecture} checkpoint scores; run it with task score")
+    if task != GENERATE and config.tensor_parallel_size > 1:
+        raise ValueError(f"task {task} runs on one rank; tensor_parallel_size is {config.tensor_parallel_size}")
 
 
 def _kv_window(loaded: LoadedModel) -> int:

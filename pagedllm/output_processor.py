@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from pagedllm.beam_search import BeamSearchParams
@@ -18,12 +19,15 @@ from pagedllm.outputs import (
     CompletionOutput,
     FinishedBeamOutput,
     Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
     PromptLogprobs,
     RequestDelta,
     RequestOutput,
     SampleLogprobs,
     SequenceDelta,
 )
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.stopping import string_stop
 
@@ -71,6 +75,8 @@ class _Request:
     beams: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int | None = None
+    pooling: bool = False  # a pooling request: its output is its vector
+    pooled: torch.Tensor | None = None
 
     def sample(self, index: int) -> _Sample:
         """The sample, started from the prompt when it is new (parallel samples fork at their first token)."""
@@ -85,7 +91,7 @@ class _Request:
 
 @dataclass(slots=True)
 class ProcessedStep:
-    outputs: list[RequestOutput] = field(default_factory=list)
+    outputs: list[RequestOutput | PoolingRequestOutput] = field(default_factory=list)
     stops: list[StringStop] = field(default_factory=list)  # for the core to apply
     failed: dict[str, Exception] = field(default_factory=dict)  # requests whose processing raised; dropped here
 
@@ -100,10 +106,13 @@ class OutputProcessor:
         request_id: str,
         prompt: str | None,
         prompt_token_ids: list[int],
-        params: SamplingParams | BeamSearchParams,
+        params: SamplingParams | BeamSearchParams | PoolingParams,
     ) -> None:
         if isinstance(params, BeamSearchParams):
             self.requests[request_id] = _Request(request_id, prompt, prompt_token_ids, None, params.beam_width)
+            return
+        if isinstance(params, PoolingParams):
+            self.requests[request_id] = _Request(request_id, prompt, prompt_token_ids, None, 0, pooling=True)
             return
         request = _Request(request_id, prompt, prompt_token_ids, params, params.num_samples)
         request.prompt_logprobs = [] if params.prompt_logprobs is not None else None
@@ -144,6 +153,8 @@ class OutputProcessor:
             sample = request.sample(seq.index)
             if sample.finish_reason is None:  # else a stop string ended it here and the core has not heard yet
                 self._take(request, sample, seq, step)
+        if delta.pooled is not None:
+            request.pooled = delta.pooled
         if delta.beams is not None:
             request.beams = [self._beam_completion(index, beam) for index, beam in enumerate(delta.beams)]
         done = sum(sample.finish_reason is not None for sample in request.samples.values())
@@ -195,7 +206,17 @@ class OutputProcessor:
             finish_reason="stop" if beam.ended_with_eos else "length",
         )
 
-    def _output(self, request: _Request) -> RequestOutput:
+    def _output(self, request: _Request) -> RequestOutput | PoolingRequestOutput:
+        if request.pooling:
+            assert request.pooled is not None, "a pooling request moved without its vector"
+            return PoolingRequestOutput(
+                request.request_id,
+                request.prompt,
+                request.prompt_token_ids,
+                PoolingOutput(request.pooled),
+                request.finished,
+                request.num_cached_tokens,
+            )
         completions = request.beams if request.params is None else [_completion(request, s) for s in _returned(request)]
         return RequestOutput(
             request.request_id,

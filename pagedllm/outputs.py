@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+import torch
+
 
 @dataclass(slots=True)
 class Logprob:
@@ -48,6 +50,40 @@ class RequestOutput:
 
 
 @dataclass(slots=True)
+class PoolingOutput:
+    """A pooling request's vector (vLLM's name): `data` as computed (float32), read as an `embedding` or as a
+    `score` (a one-label model's, or a yes/no reranker's) or `probs` (a classifier's, one per label)."""
+
+    data: torch.Tensor
+
+    @property
+    def embedding(self) -> list[float]:
+        return self.data.tolist()
+
+    @property
+    def score(self) -> float:
+        if len(self.data) != 1:
+            raise ValueError(f"this model gives {len(self.data)} label probabilities (probs), not one score")
+        return float(self.data[0])
+
+    @property
+    def probs(self) -> list[float]:
+        return self.data.tolist()
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    """What a pooling request returns, once: its prompt and its vector."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
+    finished: bool = True
+    num_cached_tokens: int | None = None
+
+
+@dataclass(slots=True)
 class SequenceDelta:
     """What one sequence gained in a step, as the engine core sends it: its new token ids (several with
     speculation), their log-probabilities where the request needs them, and the core's own stop (EOS, stop
@@ -82,6 +118,7 @@ class RequestDelta:
     finished: bool = False  # the core holds nothing of the request any more
     beams: list[FinishedBeamOutput] | None = None  # a beam search's result, once finished
     num_cached_tokens: int | None = None  # the prompt tokens the prefix cache held at its admission
+    pooled: torch.Tensor | None = None  # a pooling request's vector, on the delta that finishes it
 
 
 @dataclass(slots=True)
@@ -107,6 +144,9 @@ class EngineStats:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    # Pooling requests (embeddings, scores) finished, and their prompt tokens.
+    num_pooled_requests: int = 0
+    num_pooled_tokens: int = 0
     # LoRA: adapters in a slot and in CPU memory now; adapters read from disk and written into a slot, in all.
     lora_resident: int = 0
     lora_loaded: int = 0

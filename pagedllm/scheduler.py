@@ -68,6 +68,8 @@ class Scheduler:
         self.speculative = speculative
         self._speculating = False  # this step's decision: speculation pays at low batch only
         self.spec = SpecCounts()
+        self.num_pooled_requests = 0  # pooling requests finished, and their prompt tokens
+        self.num_pooled_tokens = 0
 
     def check_fits(self, num_prompt_tokens: int, num_tokens: int, num_seqs: int) -> None:
         """Refuse a request that could never run: its `num_seqs` sequences (n samples, best_of or beams, each
@@ -186,6 +188,8 @@ class Scheduler:
         for seq in seqs:
             self.kv.free(seq.seq_id)
             seq.num_computed_tokens = 0
+            if seq.pool is not None:
+                seq.pool.reset()
 
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
         while self.swapped and budget > 0:
@@ -262,6 +266,8 @@ class Scheduler:
         still owed prompt log-probabilities takes cached blocks only before the first position to score."""
         first_unscored = seq.num_prompt_tokens - 1 - seq.num_prompt_logprobs_missing
         lookup = seq.token_ids[: first_unscored + 1] if seq.num_prompt_logprobs_missing else seq.token_ids
+        if seq.pool is not None and not seq.pool.pooler.takes_prefix_hits:
+            lookup = []  # every position's hidden state is pooled (its blocks still fill the cache)
         lora_id = None if seq.lora is None else seq.lora.lora_int_id
         hit = self.kv.start_sequence(seq.seq_id, lookup, seq.block_salt, lora_id)
         seq.num_computed_tokens = hit
@@ -272,7 +278,7 @@ class Scheduler:
         sequence that ran the prompt, at its first token, and draw from the same logits row."""
         row = 0
         for item in out.scheduled:
-            if not item.completes:
+            if not item.samples:
                 continue
             seq = item.seq
             group = self._group_of(seq)
@@ -305,6 +311,7 @@ class Scheduler:
         for seq, entries in model_output.prompt_logprobs:
             seq.prompt_logprobs.extend(entries)
             update.prompt_logprobs.append((seq, entries))
+        self._pool(out, model_output, update)
         # Forks first: each child must start from its parent's blocks before anyone appends or finishes.
         for sample in out.samples:
             if sample.forked_from is not None:
@@ -326,6 +333,19 @@ class Scheduler:
             update.new_tokens = [new for new in update.new_tokens if new.seq.request_id not in failed]
             update.groups = [group for group in update.groups if group.request_id not in failed]
         return update, failed
+
+    def _pool(self, out: SchedulerOutput, model_output: ModelOutput, update: StepUpdate) -> None:
+        """Add each pooling sequence's part of its vector; one whose prompt is computed is finished with its
+        vector, and its blocks go back (full ones stay in the prefix cache)."""
+        for seq, part in model_output.pooled:
+            seq.pool.take(part)
+        for item in out.scheduled:
+            seq = item.seq  # its computed tokens have advanced: the prompt is done when they reach its end
+            if seq.pool is not None and seq.num_computed_tokens == seq.num_tokens:
+                self.num_pooled_requests += 1
+                self.num_pooled_tokens += seq.num_tokens
+                update.pooled.append((seq, seq.pool.result(seq.num_tokens)))
+                self.finish(seq, SequenceStatus.FINISHED_STOPPED)
 
     def _take(self, sample: SampleRow, row: RowOutput, update: StepUpdate, failed: dict[str, Exception]) -> None:
         """Append the row's picked tokens (one, or with drafts the accepted ones and the pick after them) until
@@ -506,4 +526,6 @@ class Scheduler:
             spec_num_drafts=self.spec.num_drafts,
             spec_num_draft_tokens=self.spec.num_draft_tokens,
             spec_num_accepted_tokens=self.spec.num_accepted_tokens,
+            num_pooled_requests=self.num_pooled_requests,
+            num_pooled_tokens=self.num_pooled_tokens,
         )

@@ -14,7 +14,11 @@ import xgrammar as xgr
 
 from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import SampleLogprobs
+from pagedllm.pooling import PoolState
 from pagedllm.sampling_params import SamplingParams
+
+# The sampling side of a pooling sequence, which runs its prompt only and never gets a sample row.
+PREFILL_ONLY = SamplingParams(max_tokens=1, temperature=0.0)
 
 
 class SequenceStatus(enum.Enum):
@@ -62,6 +66,7 @@ class Sequence:
     # Entry i is prompt token i + 1's; filled as prompt chunks are computed (only with params.prompt_logprobs).
     prompt_logprobs: SampleLogprobs | None = None
     grammar: xgr.GrammarMatcher | None = None  # the constraint's state after the tokens generated so far
+    pool: PoolState | None = None  # a pooling sequence's vector so far (it runs its prompt only)
 
     @property
     def block_salt(self) -> str | None:
@@ -130,6 +135,12 @@ class SequenceFactory:
             seed=self._seed(params, 0),
             prompt_logprobs=[] if params.prompt_logprobs is not None else None,
         )
+
+    def new_pooled(self, request_id: str, token_ids: list[int], pool: PoolState) -> Sequence:
+        """A pooling request's one sequence: its prompt is run, and pooled into `pool`."""
+        seq = self.new(request_id, token_ids, PREFILL_ONLY, 0)
+        seq.pool = pool
+        return seq
 
     def fork(self, parent: Sequence, index: int) -> Sequence:
         return parent.fork(next(self._ids), index, self._seed(parent.params, index))

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from pagedllm.kv.kv_cache_manager import BlockPair
 from pagedllm.outputs import Logprob
 from pagedllm.request import SequenceGroup
@@ -35,6 +37,11 @@ class ScheduledSeq:
     def completes(self) -> bool:
         """True when this chunk reaches the end of the sequence, so its last logits pick the next token."""
         return self.seq.num_computed_tokens + self.num_new_tokens - self.num_drafts == self.seq.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk's last logits pick a token: it completes a generating (not pooling) sequence."""
+        return self.completes and self.seq.pool is None
 
     @property
     def input_ids(self) -> list[int]:
@@ -95,6 +102,8 @@ class ModelOutput:
     # For sequences that asked for prompt log-probabilities: the entries of the prompt positions scored
     # this step, continuing `seq.prompt_logprobs`.
     prompt_logprobs: list[tuple[Sequence, list[dict[int, Logprob]]]] = field(default_factory=list)
+    # For pooling sequences: this step's part of each one's vector (`Pooler.part`), a float32 CPU tensor.
+    pooled: list[tuple[Sequence, torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -116,3 +125,5 @@ class StepUpdate:
     groups: list[SequenceGroup] = field(default_factory=list)
     # Prompt log-probability entries scored this step, per sequence that asked for them.
     prompt_logprobs: list[tuple[Sequence, list[dict[int, Logprob]]]] = field(default_factory=list)
+    # Pooling sequences finished this step, each with its vector (an embedding, or its scores).
+    pooled: list[tuple[Sequence, torch.Tensor]] = field(default_factory=list)

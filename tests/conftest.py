@@ -90,11 +90,14 @@ def tiny_llama_tied_gqa8(tmp_path_factory) -> Path:
     )
 
 
-def save_tiny_model(folder: Path, model_type: str, seed: int = 0, **overrides) -> Path:
+def save_tiny_model(folder: Path, model_type: str, seed: int = 0, model_class=None, **overrides) -> Path:
     """A tiny random model of any transformers `model_type` (e.g. "qwen3", "gemma2") saved as an HF
     folder with the small BPE tokenizer: 2 layers, hidden 64, GQA 4/2, wide random weights; `overrides`
-    set the family's options (window, soft-caps, experts ...)."""
+    set the family's options (window, soft-caps, experts ...). `model_class` is the transformers auto class
+    (default AutoModelForCausalLM; AutoModel for a bare embedding model, AutoModelForSequenceClassification)."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_class = model_class or AutoModelForCausalLM
 
     tokenizer = build_tokenizer()
     settings = dict(
@@ -115,7 +118,7 @@ def save_tiny_model(folder: Path, model_type: str, seed: int = 0, **overrides) -
     )
     settings.update(overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **settings), dtype=torch.float32)
+    model = model_class.from_config(AutoConfig.for_model(model_type, **settings), dtype=torch.float32)
     with torch.no_grad():
         # Norm weights start at 1 (or 0 for Gemma's `1 + w`); random ones tell the norms apart.
         for name, param in model.named_parameters():

@@ -236,7 +236,7 @@ def _step(runner, text: Text, tables: torch.Tensor, start: int, end: int) -> tor
         logits_index=torch.arange(count * size),
         prompt=None,
     )
-    logits, _ = runner.run(batch)
+    logits = runner.run(batch).logits
     return logits.log_softmax(-1).view(count, size, -1)
 
 

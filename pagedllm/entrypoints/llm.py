@@ -13,8 +13,11 @@ from transformers import PreTrainedTokenizerBase
 from pagedllm.beam_search import BeamSearchParams
 from pagedllm.config import EngineConfig
 from pagedllm.engine import LLMEngine, PromptInput
+from pagedllm.entrypoints.scoring import cosine_output, pair_prompt, score_pairs, with_instruction
 from pagedllm.lora_request import LoRARequest
-from pagedllm.outputs import EngineStats, KVSnapshot, RequestOutput
+from pagedllm.outputs import EngineStats, KVSnapshot, PoolingRequestOutput, RequestOutput
+from pagedllm.pooling import EMBED
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 Message = dict[str, str]
@@ -67,6 +70,41 @@ class LLM:
         params = _params_per_prompt(sampling_params, len(batch))
         return self._run(self._add_all(batch, params, _per_prompt(lora_request, len(batch))), use_tqdm)
 
+    def embed(
+        self,
+        prompts: PromptInput | Seq[PromptInput],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+        prompt_name: str | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """Each prompt's embedding (`output.outputs.embedding`), on an engine whose task is embed; text prompts
+        get the model's instruction prefix `prompt_name` (or its default one), as sentence-transformers does."""
+        batch = _as_prompt_list(prompts)
+        if self.engine.pooler is not None:
+            batch = [with_instruction(self.engine.pooler, p, prompt_name) if isinstance(p, str) else p for p in batch]
+        params = [pooling_params or PoolingParams()] * len(batch)
+        return self._run(self._add_all(batch, params, _per_prompt(lora_request, len(batch))), use_tqdm)
+
+    def score(
+        self,
+        queries: str | Seq[str],
+        documents: str | Seq[str],
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """Each (query, document) pair's score (`output.outputs.score`), one query against every document or
+        pair by pair: a score engine's cross-encoder on the pair, or an embed engine's cosine similarity."""
+        pairs = score_pairs(queries, documents)
+        params = pooling_params or PoolingParams()
+        if self.engine.task == EMBED:
+            firsts = self.embed([q for q, _ in pairs], params, use_tqdm)
+            seconds = self.embed([d for _, d in pairs], params, use_tqdm)
+            return [cosine_output(str(next(self._ids)), a, b) for a, b in zip(firsts, seconds, strict=True)]
+        tokenizer = self.engine.tokenizer
+        prompts: list[PromptInput] = [pair_prompt(tokenizer, q, d) for q, d in pairs]
+        return self._run(self._add_all(prompts, [params] * len(prompts), [None] * len(prompts)), use_tqdm)
+
     def add_lora(self, lora_request: LoRARequest) -> bool:
         return self.engine.add_lora(lora_request)
 
@@ -111,15 +149,15 @@ class LLM:
     def _add_all(
         self,
         prompts: list[PromptInput],
-        params: Seq[SamplingParams | BeamSearchParams],
+        params: Seq[SamplingParams | BeamSearchParams | PoolingParams],
         loras: list[LoRARequest | None],
     ) -> list[str]:
         request_ids = [str(next(self._ids)) for _ in prompts]
         self.engine.add_requests(list(zip(request_ids, prompts, params, loras, strict=True)))
         return request_ids
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        finished: dict[str, RequestOutput] = {}
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list:
+        finished: dict[str, RequestOutput | PoolingRequestOutput] = {}
         with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():

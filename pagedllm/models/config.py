@@ -28,6 +28,12 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
 }
+# The same decoders as embedding models (no LM head: a sentence-transformers checkpoint's `*Model`) and as
+# classifiers (a `score` matrix on the last token's hidden state), which pooling engines run.
+_HEADLESS = ("Llama", "Mistral", "Qwen2", "Qwen3", "Gemma2", "Gemma3")
+ARCHITECTURES |= {f"{base}Model": ARCHITECTURES[f"{base}ForCausalLM"] for base in _HEADLESS}
+ARCHITECTURES |= {f"{base}ForSequenceClassification": ARCHITECTURES[f"{base}ForCausalLM"] for base in _HEADLESS}
+ARCHITECTURES["Gemma3TextModel"] = "gemma3"
 SUPPORTED_ARCHITECTURES = frozenset(ARCHITECTURES)
 # `model_type` -> architecture, for a config.json without `architectures`.
 _MODEL_TYPES = {
@@ -112,6 +118,8 @@ class ModelConfig:
     rope_local: dict | None  # sliding layers' own RoPE (Gemma 3), None when they share `rope`
     partial_rotary_factor: float
     moe: MoEConfig | None
+    num_labels: int = 0  # a *ForSequenceClassification checkpoint's `score` rows; 0: none
+    has_lm_head: bool = True  # False for a bare `*Model` or a classifier: their checkpoints hold none
     notes: tuple[str, ...] = field(default=())  # what the loader logs (e.g. a shortened context)
 
     @classmethod
@@ -222,8 +230,15 @@ def parse_config(raw: dict, folder: Path, where: str = "config.json") -> ModelCo
         rope_local=rope_local,
         partial_rotary_factor=partial,
         moe=_moe(raw, family, num_layers, intermediate),
+        num_labels=_num_labels(raw) if architecture.endswith("ForSequenceClassification") else 0,
+        has_lm_head=architecture.endswith("ForCausalLM"),
         notes=tuple(notes),
     )
+
+
+def _num_labels(raw: dict) -> int:
+    labels = raw.get("id2label")
+    return len(labels) if labels else int(raw.get("num_labels", 2))
 
 
 def _final_softcap(raw: dict, family: str) -> float:

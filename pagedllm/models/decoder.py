@@ -305,8 +305,10 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.gemma)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
+        if config.tie_word_embeddings or not config.has_lm_head:
             self.lm_head.weight = self.embed_tokens.weight
+        # A classifier's labels from the last token's hidden state (`*ForSequenceClassification`).
+        self.score = Linear(config.hidden_size, config.num_labels, bias=False) if config.num_labels else None
         self.final_softcap = config.final_softcap
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = config.num_key_value_heads
@@ -349,3 +351,8 @@ class CausalLM(nn.Module):
         if self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits.float()
+
+    def classify(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 label logits of a classifier's rows."""
+        assert self.score is not None, "classify() on a model without a classification matrix"
+        return self.score(hidden).float()

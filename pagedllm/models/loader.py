@@ -103,7 +103,7 @@ def load_model(
     dense = holds_dense(model, dtype, device, world_size, dequantize, integer)
     _quantize_modules(net, held, dtype, dense, integer)
     net.load_state_dict(read_state_dict(folder, net, dtype, held), assign=True)
-    if config.tie_word_embeddings and isinstance(net.embed_tokens, Embedding):
+    if (config.tie_word_embeddings or not config.has_lm_head) and isinstance(net.embed_tokens, Embedding):
         net.lm_head.weight = net.embed_tokens.weight
     if shard is not None and shard.world_size > 1:
         shard_model(net, shard)
@@ -280,9 +280,12 @@ def _checkpoint_keys(raw: Container[str], name: str) -> list[str]:
 
 def _key(raw: Container[str], name: str) -> str:
     if name == "lm_head.weight":
-        # Tied embeddings, or a converted GGUF file without a separate output matrix.
-        return "lm_head.weight" if "lm_head.weight" in raw else "model.embed_tokens.weight"
-    return f"model.{name}"
+        # Tied embeddings, a converted GGUF file without a separate output matrix, or a checkpoint without a
+        # head (a bare `*Model`, a classifier), whose embedding keys have no `model.` prefix.
+        heads = ("lm_head.weight", "model.embed_tokens.weight", "embed_tokens.weight")
+        return next((key for key in heads if key in raw), heads[1])
+    # A classifier's `score` sits beside `model.`; a bare `*Model` checkpoint's keys have no prefix.
+    return name if name in raw and f"model.{name}" not in raw else f"model.{name}"
 
 
 @dataclass(frozen=True)

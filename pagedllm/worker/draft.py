@@ -32,7 +32,7 @@ class DraftModel:
         for offset in range(max((item.num_drafts for item in items), default=0)):
             active = [i for i, item in enumerate(items) if item.num_drafts > offset]
             batch = _one_token_each([items[i] for i in active], [tokens[i] for i in active], offset, self.block_size)
-            logits, _ = self.runner.run(batch)
+            logits = self.runner.run(batch).logits
             for i, token in zip(active, logits.argmax(-1).tolist(), strict=True):
                 items[i].draft_token_ids.append(token)
                 tokens[i] = token

@@ -28,6 +28,23 @@ class PromptRows:
 
 
 @dataclass(slots=True)
+class PoolRows:
+    """Rows of the flat batch whose hidden states pooling sequences pool this step (`Pooler.part`): each one's
+    whole chunk for mean pooling, its first position for CLS, its last for last-token pooling, in `spans`' order
+    as (sequence, number of rows, whether the chunk completes it: a classifier's head reads that row)."""
+
+    index: torch.Tensor  # [R] rows of the flat batch
+    spans: list[tuple[Sequence, int, bool]]
+
+
+@dataclass(slots=True)
+class RunOutput:
+    logits: torch.Tensor  # [sampling rows, vocab] float32, on the CPU
+    prompt_hidden: torch.Tensor | None  # the hidden states of the batch's prompt rows
+    pool_hidden: torch.Tensor | None  # the hidden states of the batch's pool rows
+
+
+@dataclass(slots=True)
 class FlatBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
@@ -39,6 +56,7 @@ class FlatBatch:
     # len(drafts) + 1 (the sequence's last token's, then each draft's).
     logits_index: torch.Tensor
     prompt: PromptRows | None  # rows scoring prompt tokens, when some sequence asked for them
+    pool: PoolRows | None = None  # rows pooled into pooling sequences' vectors
     lora: LoRABatch | None = None  # rows under LoRA adapters, by slot
 
 
@@ -69,7 +87,7 @@ def _flat_batch(scheduled: list[ScheduledSeq], block_size: int) -> FlatBatch:
     logits_rows = [
         row
         for i, item in enumerate(scheduled)
-        if item.completes
+        if item.samples
         for row in range(int(query_start[i + 1]) - 1 - item.num_drafts, int(query_start[i + 1]))
     ]
     return FlatBatch(
@@ -81,7 +99,31 @@ def _flat_batch(scheduled: list[ScheduledSeq], block_size: int) -> FlatBatch:
         query_start_loc=torch.from_numpy(query_start.astype(np.int32)),
         logits_index=torch.tensor(logits_rows, dtype=torch.long),
         prompt=_prompt_rows(scheduled, query_start),
+        pool=_pool_rows(scheduled, query_start),
     )
+
+
+def _pool_rows(scheduled: list[ScheduledSeq], query_start: np.ndarray) -> PoolRows | None:
+    index: list[int] = []
+    spans: list[tuple[Sequence, int, bool]] = []
+    for i, item in enumerate(scheduled):
+        pool = item.seq.pool
+        if pool is None:
+            continue
+        first, end = int(query_start[i]), int(query_start[i + 1])
+        kind = pool.pooler.pooling_type
+        if kind == "mean":
+            rows = range(first, end)
+        elif kind == "cls":
+            rows = range(first, first + 1) if item.start == 0 else range(0)
+        else:
+            rows = range(end - 1, end) if item.completes else range(0)
+        if rows:
+            index.extend(rows)
+            spans.append((item.seq, len(rows), item.completes))
+    if not spans:
+        return None
+    return PoolRows(torch.tensor(index), spans)
 
 
 def _prompt_rows(scheduled: list[ScheduledSeq], query_start: np.ndarray) -> PromptRows | None:
@@ -129,13 +171,16 @@ class ModelRunner:
         self.attention = get_backend(None, self.device)
 
     @torch.inference_mode()
-    def run(self, batch: FlatBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(self, batch: FlatBatch) -> RunOutput:
         """Float32 logits `[len(batch.logits_index), vocab]`, on the CPU where the sampler runs; and the hidden
-        states of `batch.prompt`'s rows, if any."""
+        states of `batch.prompt`'s and `batch.pool`'s rows, if any."""
         hidden = self._forward(batch)
-        logits = self.model.compute_logits(hidden.index_select(0, batch.logits_index.to(self.device))).cpu()
+        logits = torch.empty(0, self.model.config.vocab_size)  # a step of pooling sequences only samples nothing
+        if len(batch.logits_index):
+            logits = self.model.compute_logits(hidden.index_select(0, batch.logits_index.to(self.device))).cpu()
         prompt_hidden = None if batch.prompt is None else hidden.index_select(0, batch.prompt.index.to(self.device))
-        return logits, prompt_hidden
+        pool_hidden = None if batch.pool is None else hidden.index_select(0, batch.pool.index.to(self.device))
+        return RunOutput(logits, prompt_hidden, pool_hidden)
 
     @torch.inference_mode()
     def fill(self, batch: FlatBatch) -> None:

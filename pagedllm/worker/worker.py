@@ -29,7 +29,7 @@ from pagedllm.step import ModelOutput, RowOutput, SampleRow, SchedulerOutput
 from pagedllm.worker.cache_engine import CacheEngine, KVShape
 from pagedllm.worker.draft import DraftModel
 from pagedllm.worker.lora_manager import LoRAManager
-from pagedllm.worker.model_runner import FlatBatch, ModelRunner, PromptRows, build_batch
+from pagedllm.worker.model_runner import FlatBatch, ModelRunner, PoolRows, PromptRows, build_batch
 from pagedllm.worker.sampler import Sampler, SamplingRow, token_logprobs, top_logprobs
 from pagedllm.worker.threads import ThreadChooser
 
@@ -40,6 +40,7 @@ FORWARD = "the forward pass"
 SAMPLING = "sampling"
 SCORING_PROMPT = "scoring the prompt"
 PROPOSING = "the draft model's guesses"
+POOLING = "pooling"
 LOADING_ADAPTERS = "loading LoRA adapters"
 PREPARING_AFTER_MOVES = "preparing the batch after the block moves"
 
@@ -79,7 +80,8 @@ class StepInputs:
     batch: FlatBatch | None
 
     def for_other_ranks(self) -> StepInputs:
-        """Without the sequences the prompt rows name: only rank 0 reads them, and they do not pickle."""
+        """Without the sequences the prompt rows name: only rank 0 reads them, and they do not pickle. (Pooling
+        engines run on one rank.)"""
         if self.batch is None or self.batch.prompt is None:
             return self
         prompt = dataclasses.replace(self.batch.prompt, spans=[])
@@ -174,15 +176,17 @@ class Worker:
             with stage(FORWARD):
                 if self.draft is not None:
                     self.draft.fill(batch)
-                logits, prompt_hidden = self.runner.run(batch)
+                ran = self.runner.run(batch)
             timer.lap("forward")
             with torch.inference_mode():
                 with stage(SAMPLING):
-                    rows = self._pick(logits, out.samples)
+                    rows = self._pick(ran.logits, out.samples)
                 with stage(SCORING_PROMPT):
-                    prompt = [] if batch.prompt is None else self._prompt_logprobs(prompt_hidden, batch.prompt)
+                    prompt = [] if batch.prompt is None else self._prompt_logprobs(ran.prompt_hidden, batch.prompt)
+                with stage(POOLING):
+                    pooled = [] if batch.pool is None else self._pooled(ran.pool_hidden, batch.pool)
             timer.lap("sample")
-        return ModelOutput(rows, prompt)
+        return ModelOutput(rows, prompt, pooled)
 
     def _lora_slots(self, out: SchedulerOutput) -> dict[int, int] | None:
         """The slot of each adapter the step runs, written into a slot first where it is not resident."""
@@ -202,7 +206,7 @@ class Worker:
     def _follow_step(self, inputs: StepInputs) -> None:
         self._move_blocks(inputs)
         if inputs.batch is not None:
-            _, prompt_hidden = self.runner.run(inputs.batch)
+            prompt_hidden = self.runner.run(inputs.batch).prompt_hidden
             if prompt_hidden is not None:
                 for _ in self.runner.prompt_logits(prompt_hidden):
                     pass  # the logits gather is a collective: every rank takes part
@@ -242,6 +246,26 @@ class Worker:
             result.append((seq, entries[at : at + count]))
             at += count
         return result
+
+    def _pooled(self, hidden: torch.Tensor, pool: PoolRows) -> list[tuple[Sequence, torch.Tensor]]:
+        """Each pooling sequence's part of its vector from this step's rows, on the CPU; a score engine's head
+        reads the last row of a completed prompt (its pooling is last-token: no other row is pooled)."""
+        parts: list[tuple[Sequence, torch.Tensor]] = []
+        at = 0
+        model = self.runner.model
+        for seq, count, completes in pool.spans:
+            rows = hidden[at : at + count]
+            at += count
+            pooler = seq.pool.pooler
+            if pooler.head == "score" and completes:
+                part = model.classify(rows[-1:])[0]
+            elif pooler.head == "tokens" and completes:
+                no, yes = model.compute_logits(rows[-1:])[0, list(pooler.label_token_ids)]
+                part = (yes - no).reshape(1)
+            else:
+                part = pooler.part(rows)
+            parts.append((seq, part.cpu()))
+        return parts
 
     def _pick(self, logits: torch.Tensor, samples: list[SampleRow]) -> list[RowOutput]:
         """Beams first: the sampler overwrites the logits it is given, and beams read them unchanged."""

@@ -1,0 +1,214 @@
+"""Pooling: a prompt's hidden states made into one vector (an embedding) or a score, as the checkpoint says.
+
+The checkpoint's own files decide, as sentence-transformers and vLLM read them: `modules.json` and its pooling
+module's `config.json` (last token, mean or CLS; a `Normalize` module), `config_sentence_transformers.json`
+(instruction prefixes), `config.json` (`is_matryoshka` / `matryoshka_dimensions`; a `*ForSequenceClassification`
+architecture, whose `score` matrix maps the last token's hidden state to the labels; `classifier_from_token`,
+a causal LM scored on the logits of its "no" and "yes" tokens, Qwen3-Reranker's recipe).
+
+A pooling sequence runs its prompt only (in chunks like any prompt); each step the worker hands the scheduler
+this step's part of the vector (`Pooler.part`), which the sequence's `PoolState` adds up, and the vector is
+finished once the last chunk is computed. Mean and CLS pooling need every position's hidden state, so such a
+sequence takes no prefix-cache hit (it still fills the cache); last-token pooling reads only the last position,
+which is always computed, so it takes hits like a generation request.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.models.config import ModelConfig
+from pagedllm.pooling_params import PoolingParams
+
+POOLING_TYPES = ("last", "mean", "cls")
+EMBED, SCORE, GENERATE = "embed", "score", "generate"
+
+_ST_POOLING = "sentence_transformers.models.Pooling"
+_ST_NORMALIZE = "sentence_transformers.models.Normalize"
+_ST_TRANSFORMER = "sentence_transformers.models.Transformer"
+# sentence-transformers' pooling modes, as its Pooling config names them, and ours.
+_ST_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
+_ST_UNSUPPORTED_MODES = (
+    "pooling_mode_max_tokens",
+    "pooling_mode_mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Pooler:
+    """How the model makes a prompt into a vector. `head`: "none" (the hidden state is the embedding),
+    "score" (the checkpoint's classification matrix; sigmoid of one label, softmax of several) or "tokens"
+    (the LM head's logits of `label_token_ids`, no then yes: sigmoid of their difference, one score)."""
+
+    task: str  # EMBED or SCORE
+    pooling_type: str  # one of POOLING_TYPES
+    normalize: bool
+    size: int  # the vector's length before any `dimensions` cut: the hidden size, or the labels
+    matryoshka: tuple[int, ...] | None = None  # None: no cut; (): any length up to `size`; else these only
+    head: str = "none"
+    label_token_ids: tuple[int, ...] = ()
+    prompts: dict[str, str] = field(default_factory=dict)  # named instruction prefixes (sentence-transformers')
+    default_prompt_name: str | None = None
+
+    @classmethod
+    def of(cls, config: ModelConfig, task: str, vocab: dict[str, int]) -> Pooler:
+        """The pooler a `task` engine (EMBED or SCORE) runs with this checkpoint. ValueError naming the file
+        and what it asks for where pagedllm cannot follow it."""
+        folder = config.folder
+        raw_config = json.loads((folder / "config.json").read_text())
+        prompts, default_prompt = _st_prompts(folder)
+        if task == SCORE:
+            head, labels = _score_head(config, raw_config, vocab)
+            size = config.num_labels if head == "score" else 1
+            return cls(SCORE, "last", False, size, None, head, labels, prompts, default_prompt)
+        pooling_type, normalize = _st_pooling(folder)
+        matryoshka = _matryoshka(raw_config)
+        return cls(EMBED, pooling_type, normalize, config.hidden_size, matryoshka, "none", (), prompts, default_prompt)
+
+    @property
+    def takes_prefix_hits(self) -> bool:
+        """Whether a sequence may skip cached positions: only the last position's hidden state is pooled."""
+        return self.pooling_type == "last"
+
+    def check(self, params: PoolingParams) -> None:
+        """ValueError naming the field a request asks for that this model cannot give."""
+        dims = params.dimensions
+        if dims is None:
+            return
+        if self.task == SCORE:
+            raise ValueError("dimensions applies to embeddings; this model scores")
+        if self.matryoshka is None:
+            raise ValueError(
+                "dimensions: this model does not support Matryoshka representation (its config.json sets neither "
+                "is_matryoshka nor matryoshka_dimensions), so its embeddings cannot be shortened"
+            )
+        if dims > self.size or (self.matryoshka and dims not in self.matryoshka):
+            allowed = list(self.matryoshka) if self.matryoshka else f"1 to {self.size}"
+            raise ValueError(f"dimensions {dims} is not one this model gives: {allowed}")
+
+    def part(self, rows: torch.Tensor) -> torch.Tensor:
+        """This step's part of a sequence's vector from its rows' hidden states (float32): the last (or first)
+        row itself, or for mean pooling their sum."""
+        rows = rows.float()
+        return rows.sum(0) if self.pooling_type == "mean" else rows[-1]
+
+
+@dataclass(slots=True)
+class PoolState:
+    """A pooling sequence's vector as its chunks are computed; `reset` when its KV is dropped for recompute."""
+
+    pooler: Pooler
+    params: PoolingParams
+    total: torch.Tensor | None = None
+
+    def take(self, part: torch.Tensor) -> None:
+        self.total = part if self.total is None else self.total + part
+
+    def reset(self) -> None:
+        self.total = None
+
+    def result(self, num_tokens: int) -> torch.Tensor:
+        """The finished vector of a prompt of `num_tokens` tokens: averaged (mean pooling), activated (a score),
+        cut to `dimensions` and normalized as asked."""
+        assert self.total is not None, "a pooling sequence finished before any of its rows was pooled"
+        pooler, params = self.pooler, self.params
+        vector = self.total / num_tokens if pooler.pooling_type == "mean" else self.total
+        if pooler.task == SCORE:
+            return torch.sigmoid(vector) if len(vector) == 1 else torch.softmax(vector, -1)
+        if params.dimensions is not None:
+            vector = vector[: params.dimensions]
+        normalize = pooler.normalize if params.normalize is None else params.normalize
+        return F.normalize(vector, dim=-1) if normalize else vector
+
+
+def resolve_task(requested: str, folder: Path, raw_config: dict) -> str:
+    """What an engine on this checkpoint runs: `requested`, or with "auto" the checkpoint's own (a
+    classification architecture or `classifier_from_token`: score; sentence-transformers' modules or a bare
+    `*Model` architecture: embed; else generate)."""
+    if requested != "auto":
+        return requested
+    architectures = raw_config.get("architectures") or ()
+    if any(name.endswith("ForSequenceClassification") for name in architectures) or raw_config.get(
+        "classifier_from_token"
+    ):
+        return SCORE
+    if (folder / "modules.json").is_file() or any(name.endswith("Model") for name in architectures):
+        return EMBED
+    return GENERATE
+
+
+def _st_modules(folder: Path) -> list[dict]:
+    path = folder / "modules.json"
+    return json.loads(path.read_text()) if path.is_file() else []
+
+
+def _st_pooling(folder: Path) -> tuple[str, bool]:
+    """The pooling type and normalization of sentence-transformers' modules; without them vLLM's default for a
+    decoder, the last token, normalized."""
+    modules = _st_modules(folder)
+    if not modules:
+        return "last", True
+    kinds = [module.get("type") for module in modules]
+    others = [kind for kind in kinds if kind not in (_ST_TRANSFORMER, _ST_POOLING, _ST_NORMALIZE)]
+    if others:
+        raise ValueError(
+            f"{folder / 'modules.json'}: module {others[0]} is not supported (Transformer, Pooling, Normalize are)"
+        )
+    pooling = next((module for module in modules if module.get("type") == _ST_POOLING), None)
+    if pooling is None:
+        return "last", _ST_NORMALIZE in kinds
+    path = folder / pooling.get("path", "") / "config.json"
+    settings = json.loads(path.read_text())
+    unsupported = [mode for mode in _ST_UNSUPPORTED_MODES if settings.get(mode)]
+    chosen = [ours for mode, ours in _ST_MODES.items() if settings.get(mode)]
+    if unsupported or len(chosen) != 1:
+        raise ValueError(
+            f"{path}: pagedllm pools with exactly one of {', '.join(_ST_MODES)}; this asks for "
+            f"{unsupported + [mode for mode in _ST_MODES if settings.get(mode)] or 'none'}"
+        )
+    if chosen[0] == "mean" and settings.get("include_prompt") is False:
+        raise ValueError(f"{path}: include_prompt false (the instruction left out of the mean) is not supported")
+    return chosen[0], _ST_NORMALIZE in kinds
+
+
+def _st_prompts(folder: Path) -> tuple[dict[str, str], str | None]:
+    path = folder / "config_sentence_transformers.json"
+    if not path.is_file():
+        return {}, None
+    settings = json.loads(path.read_text())
+    return dict(settings.get("prompts") or {}), settings.get("default_prompt_name")
+
+
+def _matryoshka(raw_config: dict) -> tuple[int, ...] | None:
+    dims = raw_config.get("matryoshka_dimensions")
+    if dims:
+        return tuple(int(d) for d in dims)
+    return () if raw_config.get("is_matryoshka") else None
+
+
+def _score_head(config: ModelConfig, raw_config: dict, vocab: dict[str, int]) -> tuple[str, tuple[int, ...]]:
+    """The head a score engine reads: the classification matrix, or the LM head's rows of two tokens."""
+    where = config.folder / "config.json"
+    tokens = raw_config.get("classifier_from_token")
+    if tokens:
+        if len(tokens) != 2 or any(token not in vocab for token in tokens):
+            raise ValueError(
+                f"{where}: classifier_from_token must name two tokens of the vocabulary (no, yes), got {tokens!r}"
+            )
+        if not config.has_lm_head:
+            raise ValueError(
+                f"{where}: classifier_from_token scores with the LM head, which {config.architecture} lacks"
+            )
+        return "tokens", tuple(vocab[token] for token in tokens)
+    if not config.num_labels:
+        raise ValueError(
+            f"{where}: task score needs a *ForSequenceClassification checkpoint or classifier_from_token (the two "
+            f"tokens a causal LM answers no and yes with); this is {config.architecture}"
+        )
+    return "score", ()
