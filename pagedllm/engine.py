@@ -35,7 +35,7 @@ from pagedllm.outputs import (
     RequestOutput,
     SequenceDelta,
 )
-from pagedllm.pooling import EMBED, GENERATE, SCORE, Pooler, PoolState, resolve_task
+from pagedllm.pooling import EMBED, SCORE, Pooler, PoolState, generates, pooling_task, resolve_task
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.request import SequenceGroup
 from pagedllm.sampling_params import SamplingParams
@@ -116,7 +116,8 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         self.text_bound = TextBound.of(self.tokenizer)
         # How prompts become vectors, on an embed or score engine.
-        self.pooler = None if self.task == GENERATE else Pooler.of(model_config, self.task, self.tokenizer.get_vocab())
+        pooling = pooling_task(self.task)
+        self.pooler = None if pooling is None else Pooler.of(model_config, pooling, self.tokenizer.get_vocab())
         model = self.loaded.model
         shape = KVShape.of(
             model.num_layers,
@@ -261,10 +262,10 @@ class LLMEngine:
         return SequenceGroup(request_id, text, token_ids, [seq])
 
     def _check_generates(self) -> None:
-        if self.task != GENERATE:
+        if not generates(self.task):
             raise ValueError(
                 f"this engine's task is {self.task}: it gives {_TASK_GIVES[self.task]}, not generated text (start "
-                "another with task generate)"
+                "another with task generate, or generate,embed for both)"
             )
 
     def _new_pooling_group(
@@ -275,7 +276,7 @@ class LLMEngine:
         if self.pooler is None:
             raise ValueError(
                 "this engine's task is generate: it gives no embeddings or scores (start another with task embed "
-                "or score)"
+                "or score, or generate,embed for both)"
             )
         self.pooler.check(params)
         if request_id in self.requests:
@@ -697,14 +698,14 @@ _TASK_GIVES = {EMBED: "embeddings", SCORE: "scores"}
 
 def _check_task(task: str, model: ModelConfig, config: EngineConfig) -> None:
     """Refuse a task this checkpoint, or these options, cannot run."""
-    if task == GENERATE and not model.has_lm_head:
+    if generates(task) and not model.has_lm_head:
         raise ValueError(
             f"{model.folder}: a {model.architecture} checkpoint has no LM head to generate with; run it with task "
             f"{'score' if model.num_labels else 'embed'}"
         )
-    if task == EMBED and model.num_labels:
+    if pooling_task(task) == EMBED and model.num_labels:
         raise ValueError(f"{model.folder}: a {model.architecture} checkpoint scores; run it with task score")
-    if task != GENERATE and config.tensor_parallel_size > 1:
+    if pooling_task(task) is not None and config.tensor_parallel_size > 1:
         raise ValueError(f"task {task} runs on one rank; tensor_parallel_size is {config.tensor_parallel_size}")
 
 

@@ -127,6 +127,16 @@ class PoolState:
         return F.normalize(vector, dim=-1) if normalize else vector
 
 
+def generates(task: str) -> bool:
+    """Whether an engine of this task (`EngineConfig.task`, resolved) generates text."""
+    return GENERATE in task.split(",")
+
+
+def pooling_task(task: str) -> str | None:
+    """The pooling task (EMBED or SCORE) an engine of this task runs, if any."""
+    return next((part for part in task.split(",") if part != GENERATE), None)
+
+
 def resolve_task(requested: str, folder: Path, raw_config: dict) -> str:
     """What an engine on this checkpoint runs: `requested`, or with "auto" the checkpoint's own (a
     classification architecture or `classifier_from_token`: score; sentence-transformers' modules or a bare

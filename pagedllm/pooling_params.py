@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# What an engine runs (`EngineConfig.task`): "auto" reads it from the checkpoint (`pooling.resolve_task`).
-TASKS = ("auto", "generate", "embed", "score")
+# What an engine runs (`EngineConfig.task`): "auto" reads it from the checkpoint (`pooling.resolve_task`); a causal
+# LM may also generate and pool in the same engine, sharing its steps.
+TASKS = ("auto", "generate", "embed", "score", "generate,embed", "generate,score")
 
 
 @dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from transformers import AutoModel, AutoModelForSequenceClassification
+from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from tests.conftest import save_tiny_model
 
@@ -31,12 +31,14 @@ def save_embedding_model(
     normalize: bool = True,
     prompts: dict[str, str] | None = None,
     default_prompt_name: str | None = None,
+    lm_head: bool = False,
     **config,
 ) -> Path:
-    """A bare `*Model` (no LM head) with sentence-transformers' modules: Transformer, Pooling (`pooling`), and
-    Normalize when `normalize`; `config` goes into config.json (`is_matryoshka`, say)."""
+    """A bare `*Model` (or with `lm_head` a causal LM, which can also generate) with sentence-transformers'
+    modules: Transformer, Pooling (`pooling`), and Normalize when `normalize`; `config` goes into config.json
+    (`is_matryoshka`, say)."""
     model_type, options = EMBEDDING_FAMILIES[family]
-    save_tiny_model(folder, model_type, model_class=AutoModel, **options)
+    save_tiny_model(folder, model_type, model_class=AutoModelForCausalLM if lm_head else AutoModel, **options)
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}]
     modules.append({"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"})
     (folder / "1_Pooling").mkdir()

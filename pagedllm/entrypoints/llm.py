@@ -97,7 +97,7 @@ class LLM:
         pair by pair: a score engine's cross-encoder on the pair, or an embed engine's cosine similarity."""
         pairs = score_pairs(queries, documents)
         params = pooling_params or PoolingParams()
-        if self.engine.task == EMBED:
+        if self.engine.pooler is not None and self.engine.pooler.task == EMBED:
             firsts = self.embed([q for q, _ in pairs], params, use_tqdm)
             seconds = self.embed([d for _, d in pairs], params, use_tqdm)
             return [cosine_output(str(next(self._ids)), a, b) for a, b in zip(firsts, seconds, strict=True)]

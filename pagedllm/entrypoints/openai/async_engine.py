@@ -47,7 +47,9 @@ from pagedllm.entrypoints.openai.kv_page import KVMonitor, KVUpdate
 from pagedllm.entrypoints.openai.metrics import RequestTiming, ServerMetrics
 from pagedllm.lora_request import LoRARequest
 from pagedllm.output_processor import OutputProcessor
-from pagedllm.outputs import CompletionOutput, RequestDelta, RequestOutput
+from pagedllm.outputs import CompletionOutput, PoolingRequestOutput, RequestDelta, RequestOutput
+from pagedllm.pooling import Pooler
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -55,8 +57,9 @@ logger = logging.getLogger(__name__)
 _JOIN_TIMEOUT_S = 5.0
 _STATS_TIMEOUT_S = 5.0
 
-Item = RequestOutput | BaseException
-EngineParams = SamplingParams | BeamSearchParams
+Output = RequestOutput | PoolingRequestOutput
+Item = Output | BaseException
+EngineParams = SamplingParams | BeamSearchParams | PoolingParams
 
 
 class EngineStoppedError(RuntimeError):
@@ -70,8 +73,8 @@ class RequestFailedError(RuntimeError):
 class RequestGroup:
     """The requests of one API call (one per prompt), whose outputs arrive as the engine produces them.
 
-    Iterating yields `(prompt index, cumulative RequestOutput)`; a request that failed raises
-    `RequestFailedError` and aborts the rest of the group.
+    Iterating yields `(prompt index, cumulative RequestOutput)` (a pooling request's one `PoolingRequestOutput`); a
+    request that failed raises `RequestFailedError` and aborts the rest of the group.
     """
 
     def __init__(self, request_ids: list[str], abort: Callable[[list[str]], None]) -> None:
@@ -80,7 +83,7 @@ class RequestGroup:
         self._unfinished = set(range(len(request_ids)))
         self._abort = abort
 
-    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def __aiter__(self) -> AsyncIterator[tuple[int, Output]]:
         while self._unfinished:
             for index, item in await self._latest():
                 if isinstance(item, BaseException):
@@ -116,7 +119,7 @@ class _Live:
 
     group: RequestGroup
     index: int
-    n: int
+    n: int  # completions (0 for a pooling request, which has none)
     arrival: float
     first_token: float | None = None
     num_tokens: int = 0  # over all its completions
@@ -173,6 +176,8 @@ class AsyncLLMEngine:
         child_conn.close()  # the core's end: once the core exits, reads here see EOF
         ready = self._await_ready()
         self.max_model_len = ready.max_model_len
+        self.task = ready.task
+        self.pooler: Pooler | None = ready.pooler
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(ready.model_folder)
         self.text_bound = TextBound.of(self.tokenizer)  # the core's own, so both refuse the same texts
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -229,7 +234,7 @@ class AsyncLLMEngine:
             raise EngineStoppedError("the server is shutting down and takes no new requests")
         tokenized = [tokenize_prompt(self.tokenizer, prompt) for prompt in prompts]
         group = RequestGroup([str(next(self._ids)) for _ in prompts], self._abort)
-        n = params.n if isinstance(params, SamplingParams) else params.beam_width
+        n = _num_completions(params)
         arrival = time.perf_counter()
         for index, (request_id, (text, token_ids)) in enumerate(zip(group.request_ids, tokenized, strict=True)):
             self._live[request_id] = _Live(group, index, n, arrival)
@@ -345,7 +350,7 @@ class AsyncLLMEngine:
         for request_id, live in aborted:
             self.output_processor.abort(request_id)
             self._end(live, "abort")
-            live.group.deliver(live.index, _aborted_output(request_id, live))
+            live.group.deliver(live.index, _aborted_output(request_id, live) if live.n else _aborted_pooling())
         if aborted:
             self._send(Abort([request_id for request_id, _ in aborted]))
 
@@ -435,9 +440,15 @@ class AsyncLLMEngine:
             self._end(live, "error")
             live.group.deliver(live.index, RequestFailedError(f"serving the request failed: {why}"))
 
-    def _dispatch(self, output: RequestOutput, when: float) -> None:
+    def _dispatch(self, output: Output, when: float) -> None:
         live = self._live.get(output.request_id)
         if live is None:
+            return
+        if isinstance(output, PoolingRequestOutput):
+            # Its one output is its vector: no token was generated, so no TTFT or TPOT is observed.
+            del self._live[output.request_id]
+            self._end(live, "stop")
+            live.group.deliver(live.index, output)
             return
         self._count_tokens(live, output, when)
         live.last = output
@@ -463,6 +474,17 @@ class AsyncLLMEngine:
             self.num_waiting -= 1
         timing = RequestTiming(live.arrival, live.first_token, time.perf_counter(), live.longest)
         self.metrics.observe_end(finish_reason, timing)
+
+
+def _num_completions(params: EngineParams) -> int:
+    if isinstance(params, PoolingParams):
+        return 0
+    return params.n if isinstance(params, SamplingParams) else params.beam_width
+
+
+def _aborted_pooling() -> RequestFailedError:
+    """A pooling request cut short has no partial vector to return, unlike a generation's text so far."""
+    return RequestFailedError("the request was aborted: the server is shutting down")
 
 
 def _aborted_output(request_id: str, live: _Live) -> RequestOutput:

@@ -40,6 +40,8 @@ from pagedllm.entrypoints.openai.kv_page import KVPublisher, KVWatch
 from pagedllm.lora_request import LoRARequest
 from pagedllm.output_processor import StringStop
 from pagedllm.outputs import EngineStats, RequestDelta
+from pagedllm.pooling import Pooler
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sequence import SequenceStatus
 
@@ -47,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 _STATS_INTERVAL_S = 0.05
 _PR_SET_PDEATHSIG = 1  # prctl(2)
-EngineParams = SamplingParams | BeamSearchParams
+EngineParams = SamplingParams | BeamSearchParams | PoolingParams
 
 
 # ---- messages to the core ------------------------------------------------------------------------
@@ -126,6 +128,8 @@ class Ready:
     max_model_len: int
     model_folder: str  # where the server's process reads the same tokenizer
     startup_seconds: float
+    task: str  # what the engine runs: generate, embed or score
+    pooler: Pooler | None  # an embed or score engine's: the routes check a request against it before adding it
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,7 +185,8 @@ def run_engine_core(conn: Connection, engine_options: dict[str, Any], loras: lis
         conn.send(Fatal(Refusal.of(error)))
         return
     core = EngineCore(engine, conn)
-    core.send(Ready(engine.max_model_len, str(engine.loaded.folder), time.perf_counter() - started))
+    elapsed = time.perf_counter() - started
+    core.send(Ready(engine.max_model_len, str(engine.loaded.folder), elapsed, engine.task, engine.pooler))
     try:
         core.run()
     finally:

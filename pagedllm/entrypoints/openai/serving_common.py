@@ -27,11 +27,14 @@ from pagedllm.entrypoints.openai import protocol, tool_parsers
 from pagedllm.entrypoints.openai.async_engine import (
     AsyncLLMEngine,
     EngineStoppedError,
+    Output,
     RequestFailedError,
     RequestGroup,
 )
 from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.pooling import EMBED, GENERATE, SCORE
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 _OWN_WAY = {"temperature", "max_tokens", "logprobs", "best_of", "prompt_logprobs", "structured_outputs"}
@@ -39,7 +42,7 @@ _SHARED_SAMPLING_FIELDS = [spec.name for spec in fields(SamplingParams) if spec.
 Reply = TypeVar("Reply", bound=BaseModel)  # a whole response, or one chunk of a stream
 # (conversation, add_generation_prompt, tools, chat_template, template_kwargs) -> the prompt with its token ids
 RenderChat = Callable[[list[dict[str, Any]], bool, list[dict] | None, str | None, dict[str, Any] | None], dict]
-EngineParams = SamplingParams | BeamSearchParams
+EngineParams = SamplingParams | BeamSearchParams | PoolingParams
 GenerateRequest = protocol.CompletionRequest | protocol.ChatCompletionRequest
 # Fields beam search has no use for: given with use_beam_search, they would be ignored, so they are refused.
 _NOT_WITH_BEAMS = (
@@ -101,14 +104,24 @@ class ServingLimits:
         self._at_most("prompt", body.num_prompts, "max_prompts", "the number of prompts")
 
     def _at_most(self, param: str, value: int | None, limit: str, what: str | None = None) -> None:
-        bound = getattr(self, limit)
-        if value is not None and value > bound:
-            flag = "--" + limit.replace("_", "-")
-            message = f"{what or param} must be less than or equal to {bound}, the server's limit ({flag}); got {value}"
-            raise ApiError(400, message, param=param)
+        at_most(param, value, getattr(self, limit), limit, what)
+
+
+def at_most(param: str, value: int | None, bound: int, limit: str, what: str | None = None) -> None:
+    """A 400 naming `param` and the flag of ServeOptions' field `limit` when `value` is over its `bound`."""
+    if value is not None and value > bound:
+        flag = "--" + limit.replace("_", "-")
+        message = f"{what or param} must be less than or equal to {bound}, the server's limit ({flag}); got {value}"
+        raise ApiError(400, message, param=param)
 
 
 DEFAULT_LIMITS = ServingLimits.from_options(ServeOptions())
+# What a server of each task answers, for the 400 of a route it does not serve.
+_TASK_ROUTES = {
+    GENERATE: "it generates text (/v1/completions, /v1/chat/completions, /v1/responses)",
+    EMBED: "it gives embeddings (/v1/embeddings) and their cosine similarity (/v1/score, /v1/rerank)",
+    SCORE: "it scores pairs of texts (/v1/score, /v1/rerank)",
+}
 
 
 _NAMES = Texts()
@@ -189,8 +202,13 @@ class OpenAIServing:
     loras: LoRARegistry = field(default_factory=LoRARegistry, kw_only=True)
     trust_request_chat_template: bool = field(default=False, kw_only=True)
 
-    def _call(self, prefix: str, model: str | None) -> Call:
+    def _call(self, prefix: str, model: str | None, tasks: tuple[str, ...] = (GENERATE,)) -> Call:
+        """The call's id and model; a 400 when the engine's task is not one of `tasks`, the ones the route serves."""
         name = self._model(model)
+        task = self.engine.task
+        if task not in tasks:
+            message = f"this server's task is {task}: {_TASK_ROUTES[task]}; this route needs --task {tasks[0]}"
+            raise ApiError(400, message, param="model", code="wrong_task")
         return Call(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), name, self.loras.get(name))
 
     def _check(self, body: GenerateRequest) -> None:
@@ -461,7 +479,7 @@ def _prompt_entry(entry: dict[int, Logprob], token: int, k: int) -> dict[str, pr
 # ---- one response ---------------------------------------------------------------------------
 
 
-async def finals_or_abort(group: RequestGroup, request: Request) -> list[RequestOutput]:
+async def finals_or_abort(group: RequestGroup, request: Request) -> list[Output]:
     """The final output of each request, in prompt order. A client that disconnects first has its requests
     aborted at once, rather than left generating for nobody."""
     collecting = asyncio.ensure_future(_finals(group))
@@ -481,7 +499,7 @@ async def finals_or_abort(group: RequestGroup, request: Request) -> list[Request
     return collecting.result()
 
 
-async def _finals(group: RequestGroup) -> list[RequestOutput]:
+async def _finals(group: RequestGroup) -> list[Output]:
     try:
         finals = {index: output async for index, output in group if output.finished}
     except RequestFailedError as error:
