@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from pagedllm.benchmarks.accuracy import add_bench_accuracy_args, run_bench_accuracy
+from pagedllm.benchmarks.embed import add_bench_embed_args, run_bench_embed
 from pagedllm.benchmarks.memory import add_bench_memory_args, run_bench_memory
 from pagedllm.benchmarks.serve import add_bench_serve_args, run_bench_serve
 from pagedllm.benchmarks.soak import add_bench_soak_args, run_bench_soak
@@ -185,6 +186,11 @@ def make_parser() -> argparse.ArgumentParser:
     )
     add_bench_throughput_args(bench_throughput)
     bench_throughput.set_defaults(handler=run_bench_throughput)
+    bench_embed = benchmarks.add_parser(
+        "embed", help="embedding throughput of pagedllm and sentence-transformers by batch size, same weights"
+    )
+    add_bench_embed_args(bench_embed)
+    bench_embed.set_defaults(handler=run_bench_embed)
     bench_structured = benchmarks.add_parser(
         "structured", help="throughput with a JSON-schema constraint on every request vs none, same tokens"
     )

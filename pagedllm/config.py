@@ -112,6 +112,13 @@ class EngineConfig:
         "modules.json or a bare *Model: embed; else generate)",
         domain=Choices(TASKS),
     )
+    pooling_stretch: float = option(
+        0.5,
+        "while generation runs, how much longer a step may take for the pooling prompts (embeddings, scores) beside "
+        "it, as a share of its time without them: 0.5 lets a flood of embeddings cost a stream at most 1.5x its "
+        "time per token (measured as the engine runs); pooling prompts alone get the whole token budget",
+        domain=Reals(0.0, 100.0),
+    )
     dtype: str | torch.dtype = option(
         "auto", "auto (bfloat16 where the CPU has native bf16, else float32), " + ", ".join(_DTYPES), domain=DTypes()
     )
@@ -346,7 +353,14 @@ class ServeOptions:
     max_stop: int = option(64, "most stop strings, and most stop_token_ids, in one request", domain=POSITIVE_INTS)
     max_stop_len: int = option(1024, "longest stop string, in characters", domain=POSITIVE_INTS)
     max_prompts: int = option(
-        2048, "most prompts in one completions request (each becomes a request)", domain=POSITIVE_INTS
+        2048,
+        "most prompts in one completions request, and inputs in one embeddings request (each becomes a request)",
+        domain=POSITIVE_INTS,
+    )
+    max_score_documents: int = option(
+        1000,
+        "most documents in one /v1/score or /v1/rerank request (each pair becomes a request)",
+        domain=POSITIVE_INTS,
     )
     lora_modules: tuple[str, ...] = option(
         (),

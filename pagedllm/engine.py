@@ -35,6 +35,7 @@ from pagedllm.outputs import (
     RequestOutput,
     SequenceDelta,
 )
+from pagedllm.pacing import PoolingPace
 from pagedllm.pooling import EMBED, SCORE, Pooler, PoolState, generates, pooling_task, resolve_task
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.request import SequenceGroup
@@ -143,6 +144,8 @@ class LLMEngine:
             speculative,
             config.max_loras if config.enable_lora else 0,
         )
+        self._pace = PoolingPace(config.pooling_stretch)
+        self.scheduler.pooling_budget = self._pace.budget()
         draft = None if speculative is None or speculative.model is None else self._load_draft(speculative.model)
         self.worker = Worker(
             self.loaded.model,
@@ -427,7 +430,9 @@ class LLMEngine:
             if not self.scheduler.has_unfinished():
                 return CoreStep()
             return CoreStep(failed=self._fail_unrunnable(scheduler_output))
+        started = time.perf_counter()
         ran, model_output, failed = self._execute(scheduler_output, timer)
+        self._pace_pooling(ran, time.perf_counter() - started)
         update, grammar_failed = self.scheduler.update(ran, model_output)
         failed |= {rid: StageError(GRAMMAR, error) for rid, error in grammar_failed.items()}
         deltas = _deltas(update)
@@ -441,6 +446,13 @@ class LLMEngine:
         self._num_steps += 1
         self._notify()
         return CoreStep(deltas, failed)
+
+    def _pace_pooling(self, ran: SchedulerOutput, seconds: float) -> None:
+        """Learn from a step that ran generation what pooled tokens cost it, and cap the next ones."""
+        if self.pooler is None or not any(item.seq.pool is None for item in ran.scheduled):
+            return
+        self._pace.record(seconds, sum(item.num_new_tokens for item in ran.scheduled if item.seq.pool is not None))
+        self.scheduler.pooling_budget = self._pace.budget()
 
     def stop_sequences(self, stops: list[StringStop]) -> None:
         """Finish the sequences the output processor stopped at a stop string (their blocks go back), and with

@@ -60,6 +60,11 @@ class Scheduler:
         self.eos_ids = eos_ids
         self.max_model_len = max_model_len
         self.waiting: deque[SequenceGroup] = deque()
+        # Pooling requests (embeddings, scores) wait apart: generation is admitted first, and while it runs they
+        # get at most `pooling_budget` tokens a step (the engine sets it from measured steps: `pacing.py`).
+        self.waiting_pooled: deque[SequenceGroup] = deque()
+        self.pooling_budget: int | None = None
+        self._pool_left: int | None = None  # this step's pooled tokens still to give (None: no cap)
         self.running: list[SequenceGroup] = []
         self.swapped: deque[SequenceGroup] = deque()
         self.groups: dict[str, SequenceGroup] = {}  # every unfinished request, by id
@@ -89,10 +94,13 @@ class Scheduler:
 
     def add(self, group: SequenceGroup) -> None:
         self.groups[group.request_id] = group
-        self.waiting.append(group)
+        self._queue_of(group).append(group)
+
+    def _queue_of(self, group: SequenceGroup) -> deque[SequenceGroup]:
+        return self.waiting_pooled if group.seqs[0].pool is not None else self.waiting
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        return bool(self.waiting or self.waiting_pooled or self.running or self.swapped)
 
     @property
     def num_running_seqs(self) -> int:
@@ -102,6 +110,7 @@ class Scheduler:
         out = SchedulerOutput()
         spec = self.speculative
         self._speculating = spec is not None and self.num_running_seqs <= spec.disable_by_batch_size
+        self._pool_left = self.pooling_budget if self._generating() else None
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             budget = self._swap_in(out, budget)
@@ -112,6 +121,12 @@ class Scheduler:
             item.block_table = self.kv.block_table(item.seq.seq_id)
         self._plan_samples(out)
         return out
+
+    def _generating(self) -> bool:
+        """Whether a generation request is running or waits: its stream is paced, pooling yields to it."""
+        if self.waiting:
+            return True
+        return any(group.seqs[0].pool is None for queue in (self.running, self.swapped) for group in queue)
 
     # ---- running requests -------------------------------------------------------------------
 
@@ -134,6 +149,9 @@ class Scheduler:
         spent = 0
         for seq in group.live_seqs():
             num_new = min(seq.num_uncomputed_tokens, budget - spent)
+            paced = seq.pool is not None and self._pool_left is not None
+            if paced:
+                num_new = min(num_new, self._pool_left)
             if num_new == 0:
                 continue  # budget spent, or a beam already waiting for its siblings
             num_drafts, drafts = self._drafts(group, seq, budget - spent)
@@ -150,6 +168,8 @@ class Scheduler:
                     return None
             out.scheduled.append(ScheduledSeq(seq, num_new))
             spent += num_new
+            if paced:
+                self._pool_left -= num_new
         return spent
 
     def _drafts(self, group: SequenceGroup, seq: Sequence, budget: int) -> tuple[int, list[int]]:
@@ -181,7 +201,7 @@ class Scheduler:
         self._release(seqs)
         for seq in seqs:
             seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(group)
+        self._queue_of(group).appendleft(group)
 
     def _release(self, seqs: list[Sequence]) -> None:
         """Drop the sequences' KV: they will be computed again from the start."""
@@ -213,38 +233,48 @@ class Scheduler:
     # ---- new and recomputed requests --------------------------------------------------------
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        """Admit waiting requests in order; one whose adapter would be one too many waits (those behind it
-        may still run: the base model's, and those of adapters already running)."""
-        passed: list[SequenceGroup] = []
-        try:
-            self._admit_in_order(out, budget, passed)
-        finally:
-            self.waiting.extendleft(reversed(passed))
+        """Admit waiting requests in order, generation first, then pooling ones while none of the former waits;
+        one whose adapter would be one too many waits (those behind it may still run: the base model's, and
+        those of adapters already running)."""
+        for queue in (self.waiting, self.waiting_pooled):
+            if queue is self.waiting_pooled and self.waiting:
+                return  # what blocked a generation request would block it again: pooling must not take its room
+            passed: list[SequenceGroup] = []
+            try:
+                budget = self._admit_in_order(out, budget, passed, queue)
+            finally:
+                queue.extendleft(reversed(passed))
 
-    def _admit_in_order(self, out: SchedulerOutput, budget: int, passed: list[SequenceGroup]) -> None:
-        while self.waiting and budget > 0:
-            group = self.waiting[0]
+    def _admit_in_order(
+        self, out: SchedulerOutput, budget: int, passed: list[SequenceGroup], queue: deque[SequenceGroup]
+    ) -> int:
+        """Admit from `queue` until the budget, the sequence slots or the pool run out; returns the budget left."""
+        while queue and budget > 0:
+            group = queue[0]
+            if queue is self.waiting_pooled and self._pool_left == 0:
+                return budget
             if not self._adapter_fits(group):
-                passed.append(self.waiting.popleft())
+                passed.append(queue.popleft())
                 continue
             seqs = group.live_seqs()
             if self.num_running_seqs + len(seqs) > self.max_num_seqs:
-                return
+                return budget
             mark, copies = len(out.scheduled), len(out.copies)
             hits = [self._open(seq) for seq in seqs]
             spent = self._schedule_group(group, out, budget, may_preempt=False)
             if spent is None or not self._has_headroom(len(seqs)):
                 self._release(seqs)
                 del out.scheduled[mark:], out.copies[copies:]
-                return
+                return budget
             for seq, hit in zip(seqs, hits, strict=True):
                 self.kv.record_prefix_query(seq.num_tokens, hit)
                 seq.status = SequenceStatus.RUNNING
             if group.num_cached_tokens is None:  # a preempted request readmitted keeps its first count, as vLLM
                 group.num_cached_tokens = hits[0] if hits else 0
-            self.waiting.popleft()
+            queue.popleft()
             self.running.append(group)
             budget -= spent
+        return budget
 
     def _adapter_fits(self, group: SequenceGroup) -> bool:
         """Whether the group's adapter (if any) is running already or one more fits under max_loras."""
@@ -441,7 +471,9 @@ class Scheduler:
             return None
         if out.preempted:
             return out.preempted[-1]  # what it preempted before itself was newer and is not to blame
-        return self.swapped[0] if self.swapped else self.waiting[0]
+        if self.swapped:
+            return self.swapped[0]
+        return self.waiting[0] if self.waiting else self.waiting_pooled[0]
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         seq.status = status
@@ -452,7 +484,7 @@ class Scheduler:
         self.groups.pop(group.request_id, None)
         for seq in group.seqs:
             self.kv.free(seq.seq_id)
-        for queue in (self.running, self.waiting, self.swapped):
+        for queue in (self.running, self.waiting, self.waiting_pooled, self.swapped):
             if group in queue:
                 queue.remove(group)
 
@@ -512,7 +544,7 @@ class Scheduler:
             kv_utilization=kv.utilization(),
             num_preemptions=self.num_preemptions,
             num_running=self.num_running_seqs,
-            num_waiting=sum(len(group.live_seqs()) for group in self.waiting),
+            num_waiting=sum(len(group.live_seqs()) for queue in (self.waiting, self.waiting_pooled) for group in queue),
             num_swapped=sum(len(group.live_seqs()) for group in self.swapped),
             num_swapped_out_blocks=kv.cpu_pool.num_used if kv.cpu_pool else 0,
             num_swap_preemptions=self.num_swap_preemptions,

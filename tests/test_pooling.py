@@ -16,7 +16,9 @@ from sentence_transformers import SentenceTransformer
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.pacing import FIRST_BUDGET, PoolingPace
 from pagedllm.pooling_params import PoolingParams
+from pagedllm.step import SchedulerOutput
 from tests.kv_invariants import check_kv_invariants
 from tests.pooling_models import (
     EMBEDDING_FAMILIES,
@@ -267,3 +269,42 @@ def test_bfloat16_embeddings_are_no_further_from_float32_than_transformers_bfloa
     theirs = peer.encode(prompts, convert_to_tensor=True, batch_size=4)
     ours_cos, theirs_cos = cosines(ours, exact), cosines(theirs, exact)
     assert ours_cos.mean() >= theirs_cos.mean() and ours_cos.min() >= theirs_cos.min()
+
+
+def test_pooling_yields_to_generation_within_its_paced_budget(chat_and_embed_model, monkeypatch):
+    """While a stream runs, pooled tokens per step stay within the scheduler's pooling budget (the engine's pace)
+    and a generation request queued behind a flood is admitted first; alone, pooling takes the whole budget."""
+    llm = LLM(chat_and_embed_model, task="generate,embed", dtype="float32", max_num_batched_tokens=64)
+    engine, scheduler = llm.engine, llm.engine.scheduler
+    plans: list[tuple[int | None, SchedulerOutput]] = []
+    schedule = scheduler.schedule
+    monkeypatch.setattr(
+        scheduler, "schedule", lambda: plans.append((scheduler.pooling_budget, schedule())) or plans[-1][1]
+    )
+    for i, prompt in enumerate(texts(6, seed=9)):
+        engine.add_request(f"e{i}", prompt, PoolingParams())
+    engine.step()
+    assert sum(item.num_new_tokens for item in plans[0][1].scheduled) == 64
+    assert scheduler.waiting_pooled, "pooling prompts still wait when the chat comes"
+    engine.add_request("chat", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    plans.clear()
+    while engine.has_unfinished_requests():
+        engine.step()
+        check_kv_invariants(scheduler.kv)
+    with_chat = [(budget, plan) for budget, plan in plans if any(item.seq.pool is None for item in plan.scheduled)]
+    pooled = [sum(item.num_new_tokens for item in plan.scheduled if item.seq.pool) for _, plan in with_chat]
+    assert len(with_chat) == 30 and all(n <= budget for n, (budget, _) in zip(pooled, with_chat, strict=True))
+    assert with_chat[0][1] is plans[0][1], "the chat runs in the first step after it came, before the pooling queue"
+    assert scheduler.stats(0, {}).num_pooled_requests == 6
+
+
+def test_the_pace_lets_pooled_tokens_stretch_a_step_by_the_share_asked():
+    pace = PoolingPace(stretch=0.5)
+    assert pace.budget() == FIRST_BUDGET
+    for _ in range(50):
+        pace.record(1 / 64, 0)  # a step of generation alone: 1/64 s (binary fractions: exact sums)
+        pace.record(1 / 64 + 16 / 1024, 16)  # each pooled token adds 1/1024 s
+    assert pace.budget() == 8  # 0.5 x 1/64 / (1/1024)
+    for _ in range(50):
+        pace.record(1 / 64 + 0.1, 1)  # pooled tokens got dear: at least one a step still runs
+    assert pace.budget() == 1

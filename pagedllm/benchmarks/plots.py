@@ -1,4 +1,5 @@
-"""PNG plots of the benchmarks: throughput against other engines, the memory picture, latency CDFs.
+"""PNG plots of the benchmarks: throughput against other engines, the memory picture, latency CDFs, embedding
+throughput by batch size.
 
 Figures are drawn on matplotlib's Agg canvas directly, without pyplot: no global figure state, no
 display needed, and nothing to close afterwards. Sizes are fixed (no tight bounding box) so every
@@ -105,3 +106,23 @@ def _figure(size: tuple[float, float]) -> Figure:
 def _save(figure: Figure, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, format="png", dpi=DPI)
+
+
+def plot_embed_throughput(
+    batch_sizes: Sequence[int], sentences_per_s: dict[str, Sequence[float]], path: Path, title: str
+) -> None:
+    """Sentences/s against batch size (log scale, a tick at each size measured), one line per engine."""
+    figure = _figure(WIDE)
+    ax = figure.subplots()
+    for engine, values in sentences_per_s.items():
+        ax.plot(batch_sizes, values, marker="o", label=engine)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(batch_sizes, [str(size) for size in batch_sizes])
+    ax.minorticks_off()
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("sentences / s")
+    ax.set_ylim(bottom=0)  # from zero, so the gap between engines reads at its true size
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    _save(figure, path)

@@ -1,10 +1,11 @@
 """`pagedllm serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over `AsyncLLMEngine`.
 
 `/v1/completions`, `/v1/chat/completions` and `/v1/responses` (server-sent events when `stream` is true; their own
-modules; stored responses read, deleted and cancelled at `/v1/responses/{id}`),
-`/v1/models` (base names and LoRA adapters), `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` (with
-`--enable-lora`), `/tokenize`, `/detokenize`, `/health` and `/metrics`. Every error has OpenAI's shape,
-`{"error": {"message", "type", "param", "code"}}`, with `param` naming the offending field.
+modules; stored responses read, deleted and cancelled at `/v1/responses/{id}`) on a generate server,
+`/v1/embeddings`, `/v1/score` and `/v1/rerank` on an embed or score one (`serving_pooling.py`),
+`/v1/models` (base names and LoRA adapters, with the engine's task), `/v1/load_lora_adapter` and
+`/v1/unload_lora_adapter` (with `--enable-lora`), `/tokenize`, `/detokenize`, `/health` and `/metrics`. Every error
+has OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with `param` naming the offending field.
 """
 
 from __future__ import annotations
@@ -45,9 +46,16 @@ from pagedllm.entrypoints.openai.serving_common import (
     ServingLimits,
 )
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 
-_GENERATING_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
+# vLLM's routes under their other names; the schema lists each route once, under its first.
+_SCORE_PATHS = ("/v1/score", "/score")
+_RERANK_PATHS = ("/v1/rerank", "/rerank", "/v2/rerank")
+# The routes that queue engine requests: refused while the engine is overloaded.
+_ENGINE_PATHS = frozenset(
+    {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", *_SCORE_PATHS, *_RERANK_PATHS}
+)
 _SHUTDOWN_BACKSTOP_S = 3.0  # after the grace period and the aborts, uvicorn cancels whatever still runs
 
 
@@ -159,6 +167,7 @@ def build_app(
     store = ResponseStore(options.max_stored_responses, options.max_stored_response_bytes)
     engine.metrics.watch_responses(lambda: store.count, lambda: store.bytes)
     responses = OpenAIServingResponses(chat, store)
+    pooling = OpenAIServingPooling(engine, render_chat, names, options.max_score_documents, limits=limits, loras=loras)
     info = _ServingInfo(engine, render_chat, names, loras=loras)
     app = FastAPI(title="pagedllm", lifespan=lifespan)
     app.post("/v1/completions")(completion.create)
@@ -167,6 +176,10 @@ def build_app(
     app.get("/v1/responses/{response_id}")(responses.retrieve)
     app.delete("/v1/responses/{response_id}")(responses.delete)
     app.post("/v1/responses/{response_id}/cancel")(responses.cancel)
+    app.post("/v1/embeddings")(pooling.embeddings)
+    for paths, route in ((_SCORE_PATHS, pooling.score), (_RERANK_PATHS, pooling.rerank)):
+        for path in paths:
+            app.post(path, include_in_schema=path == paths[0])(route)
     app.get("/v1/models")(info.models)
     app.post("/v1/load_lora_adapter", response_class=PlainTextResponse)(info.load_lora_adapter)
     app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)(info.unload_lora_adapter)
@@ -194,13 +207,16 @@ class _ServingInfo(OpenAIServing):
     metrics."""
 
     async def models(self) -> protocol.ModelList:
-        created, max_model_len = int(time.time()), self.engine.max_model_len
-        cards = [protocol.ModelCard(id=name, created=created, max_model_len=max_model_len) for name in self.names]
+        created, max_model_len, task = int(time.time()), self.engine.max_model_len, self.engine.task
+        cards = [
+            protocol.ModelCard(id=name, created=created, max_model_len=max_model_len, task=task) for name in self.names
+        ]
         cards += [
             protocol.ModelCard(
                 id=lora.lora_name,
                 created=created,
                 max_model_len=max_model_len,
+                task=task,
                 root=lora.lora_path,
                 parent=self.names[0],
             )
@@ -360,15 +376,15 @@ class _BodyLimitMiddleware:
 
 
 class _BackpressureMiddleware:
-    """While the engine is overloaded, a request that would generate is refused before its body is read: 503
-    with Retry-After, so that well-behaved clients back off instead of queueing without bound."""
+    """While the engine is overloaded, a request that would add engine requests is refused before its body is read:
+    503 with Retry-After, so that well-behaved clients back off instead of queueing without bound."""
 
     def __init__(self, app: ASGIApp, engine: AsyncLLMEngine) -> None:
         self.app = app
         self.engine = engine
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] in _GENERATING_PATHS and self.engine.overloaded:
+        if scope["type"] == "http" and scope["path"] in _ENGINE_PATHS and self.engine.overloaded:
             message = (
                 f"the server is overloaded: {self.engine.num_waiting} requests are waiting for their first token "
                 f"(--max-waiting-requests {self.engine.max_waiting}); retry later"

@@ -3,9 +3,9 @@
 The event loop sends commands (add, abort, compile, stop) through a sender thread, so a large prompt never
 blocks it on a full pipe; a reader thread hands every message from the core to the loop
 (call_soon_threadsafe). The core sends each step's changes; this process's `OutputProcessor` turns them into
-text and cumulative outputs, decides the stop strings (sending them back to the core as `StopSequences`),
-and each request's outputs go into the queue of the API call that made it, the request's timings into the
-metrics. Everything here but those two threads runs on the event loop.
+text and cumulative outputs (a pooling request's one output, its vector), decides the stop strings (sending them
+back to the core as `StopSequences`), and each request's outputs go into the queue of the API call that made it,
+the request's timings into the metrics. Everything here but those two threads runs on the event loop.
 """
 
 from __future__ import annotations

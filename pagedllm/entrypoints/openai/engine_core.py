@@ -128,7 +128,7 @@ class Ready:
     max_model_len: int
     model_folder: str  # where the server's process reads the same tokenizer
     startup_seconds: float
-    task: str  # what the engine runs: generate, embed or score
+    task: str  # what the engine runs: generate, embed, score, or generate and one of them (generate,embed)
     pooler: Pooler | None  # an embed or score engine's: the routes check a request against it before adding it
 
 

@@ -93,6 +93,11 @@ RESPONSES: dict[str, Policy] = {
 }
 
 
+EMBEDDINGS: dict[str, Policy] = {
+    "user": _ignored(_SAFETY),
+}
+
+
 def ignored_fields(body: BaseModel, table: dict[str, Policy]) -> list[str]:
     """The fields of `table` that `body` set to something pagedllm does not act on, after refusing (a 400 naming
     the field) those it cannot do without."""

@@ -138,4 +138,6 @@ _TOTALS = {
     "spec_decode_num_accepted_tokens": ("spec_num_accepted_tokens", "Speculated tokens the target accepted"),
     "lora_disk_loads": ("lora_disk_loads", "LoRA adapters read from disk (a cold adapter, or one evicted from memory)"),
     "lora_slot_writes": ("lora_slot_writes", "LoRA adapters written into a slot (each one not resident when needed)"),
+    "pooling_requests": ("num_pooled_requests", "Pooling requests finished: embeddings, and scores of a pair or text"),
+    "pooling_prompt_tokens": ("num_pooled_tokens", "Prompt tokens of the finished pooling requests"),
 }

@@ -566,6 +566,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "pagedllm"
     max_model_len: int
+    task: str  # what the engine runs: generate (completions, chat, responses), embed, score, or generate,embed ...
     root: str | None = None  # vLLM's: an adapter's folder
     parent: str | None = None  # vLLM's: the base model an adapter runs on; null for a base model
 

@@ -203,11 +203,13 @@ class OpenAIServing:
     trust_request_chat_template: bool = field(default=False, kw_only=True)
 
     def _call(self, prefix: str, model: str | None, tasks: tuple[str, ...] = (GENERATE,)) -> Call:
-        """The call's id and model; a 400 when the engine's task is not one of `tasks`, the ones the route serves."""
+        """The call's id and model; a 400 unless the engine runs one of `tasks`, those the route serves (an engine's
+        task may be two: generate,embed)."""
         name = self._model(model)
-        task = self.engine.task
-        if task not in tasks:
-            message = f"this server's task is {task}: {_TASK_ROUTES[task]}; this route needs --task {tasks[0]}"
+        runs = self.engine.task.split(",")
+        if not set(tasks) & set(runs):
+            serves = "; ".join(_TASK_ROUTES[task] for task in runs)
+            message = f"this server's task is {self.engine.task}: {serves}; this route needs --task {tasks[0]}"
             raise ApiError(400, message, param="model", code="wrong_task")
         return Call(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), name, self.loras.get(name))
 

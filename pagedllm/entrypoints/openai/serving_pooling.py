@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse
+from transformers import PreTrainedTokenizerBase
 
-from pagedllm.config import ServeOptions
 from pagedllm.entrypoints.openai import field_policy
 from pagedllm.entrypoints.openai import pooling_protocol as pp
 from pagedllm.entrypoints.openai import serving_common as common
@@ -28,7 +28,6 @@ from pagedllm.outputs import PoolingRequestOutput
 from pagedllm.pooling import EMBED, SCORE
 from pagedllm.pooling_params import PoolingParams
 
-_DEFAULT_MAX_DOCUMENTS = ServeOptions().max_score_documents
 # A text, token ids, or a cross-encoder's (query, document).
 Value = str | list[int] | tuple[str, str]
 
@@ -49,7 +48,7 @@ class _Scores:
 
 @dataclass(frozen=True)
 class OpenAIServingPooling(common.OpenAIServing):
-    max_score_documents: int = _DEFAULT_MAX_DOCUMENTS
+    max_score_documents: int
 
     async def embeddings(self, body: pp.EmbeddingRequest, request: Request) -> Response:
         ignored = field_policy.ignored_fields(body, field_policy.EMBEDDINGS)
@@ -79,7 +78,8 @@ class OpenAIServingPooling(common.OpenAIServing):
         call = self._call("rerank", body.model, (SCORE, EMBED))
         texts = body.texts
         documents = _named("documents", texts)
-        scored = await self._scores(call, request, [_Input("query", body.query)], documents, body.truncate_prompt_tokens)
+        query = [_input("query", body.query)]
+        scored = await self._scores(call, request, query, documents, body.truncate_prompt_tokens)
         # Ties keep the documents' order: sorted() is stable.
         ranked = sorted(range(len(texts)), key=lambda index: -scored.scores[index])[: body.top_n or None]
         results = [
@@ -107,19 +107,16 @@ class OpenAIServingPooling(common.OpenAIServing):
         """Each pair's score, pairs as vLLM makes them (one query against every document, or pair by pair); pair
         i's document is `documents[i]`, whose field an error about the pair names."""
         second_field = documents[0].param.split(".", 1)[0]
-        common.at_most(
-            second_field, len(documents), self.max_score_documents, "max_score_documents", "the number of documents"
-        )
-        for side in (*queries, *documents):
-            _check_not_empty(side)
+        what = f"the number of texts in {second_field}"
+        common.at_most(second_field, len(documents), self.max_score_documents, "max_score_documents", what)
         try:
             pairs = score_pairs([q.value for q in queries], [d.value for d in documents])
         except ValueError as error:
-            raise common.ApiError(400, str(error), param=second_field) from error
+            raise common.ApiError(400, f"{second_field}: {error}", param=second_field) from error
         params = self._params(truncate)
-        if self.engine.task == EMBED:
-            return await self._cosines(call, request, pairs, queries + documents, params)
         pooler = self.engine.pooler
+        if pooler.task == EMBED:
+            return await self._cosines(call, request, pairs, queries + documents, params)
         if pooler.size != 1:
             message = f"this model gives {pooler.size} label probabilities per pair, not one score"
             raise common.ApiError(400, message, param="model")
@@ -165,12 +162,12 @@ class OpenAIServingPooling(common.OpenAIServing):
     ) -> list[PoolingRequestOutput]:
         """Run every input as one group of engine requests; their outputs in input order. `instruct`: texts get the
         model's default instruction prefix, as `LLM.embed` gives them."""
-        for one in inputs:
-            _check_not_empty(one)
         if instruct:
             inputs = [self._instructed(one) for one in inputs]
         prompts = await self._prompts(inputs, params.truncate_prompt_tokens)
-        group = await self._add(prompts, None, params, param=inputs[0].param, lora_request=call.lora_request)
+        # The engine's own refusals (a prompt the KV pool cannot hold) say which prompt; the field is the input's.
+        field = inputs[0].param.split(".", 1)[0]
+        group = await self._add(prompts, None, params, param=field, lora_request=call.lora_request)
         return await common.finals_or_abort(group, request)
 
     def _instructed(self, one: _Input) -> _Input:
@@ -185,12 +182,13 @@ class OpenAIServingPooling(common.OpenAIServing):
             for one in inputs:
                 for text in _texts(one.value):
                     self._check_text_fits(text, one.param)
-        token_ids = await asyncio.to_thread(self._tokenize, [one.value for one in inputs])
+        tokenizer = self.engine.tokenizer
+        token_ids = await asyncio.to_thread(lambda: [_token_ids(tokenizer, one.value) for one in inputs])
         limit = self.engine.max_model_len
         if truncate is not None:
             keep = limit if truncate == -1 else min(truncate, limit)
             token_ids = [ids[-keep:] for ids in token_ids]
-        vocab = len(self.engine.tokenizer)
+        vocab = len(tokenizer)
         prompts = []
         for one, ids in zip(inputs, token_ids, strict=True):
             outside = next((token for token in ids if token >= vocab), None)
@@ -207,40 +205,35 @@ class OpenAIServingPooling(common.OpenAIServing):
             prompts.append({"prompt": one.value if isinstance(one.value, str) else None, "prompt_token_ids": ids})
         return prompts
 
-    def _tokenize(self, values: list[Value]) -> list[list[int]]:
-        tokenizer = self.engine.tokenizer
-        return [
-            tokenizer.encode(value)
-            if isinstance(value, str)
-            else pair_prompt(tokenizer, *value)["prompt_token_ids"]
-            if isinstance(value, tuple)
-            else list(value)
-            for value in values
-        ]
-
 
 def _embedding_inputs(value: str | list) -> list[_Input]:
     """OpenAI's `input`: one text, one list of token ids, or a list of either (each named by its index)."""
-    if isinstance(value, str) or (value and all(isinstance(token, int) for token in value)):
-        return [_Input("input", value)]
-    if not value:
-        raise common.ApiError(400, "input must not be empty", param="input")
+    if value and all(isinstance(token, int) for token in value):
+        return [_input("input", value)]
     return _named("input", value)
 
 
 def _named(field: str, values: str | Sequence) -> list[_Input]:
+    """A field's one value, or each of its list's (named by its index)."""
     if isinstance(values, str):
-        return [_Input(field, values)]
+        return [_input(field, values)]
     if not values:
         raise common.ApiError(400, f"{field} must not be empty", param=field)
-    return [_Input(f"{field}.{index}", value) for index, value in enumerate(values)]
+    return [_input(f"{field}.{index}", value) for index, value in enumerate(values)]
 
 
-def _check_not_empty(one: _Input) -> None:
-    if isinstance(one.value, tuple):
-        return  # a pair of texts, each checked on its own side
-    if not one.value:
-        raise common.ApiError(400, f"{one.param} is empty", param=one.param)
+def _input(param: str, value: str | list[int]) -> _Input:
+    if not value:
+        raise common.ApiError(400, f"{param} is empty", param=param)
+    return _Input(param, value)
+
+
+def _token_ids(tokenizer: PreTrainedTokenizerBase, value: Value) -> list[int]:
+    if isinstance(value, str):
+        return tokenizer.encode(value)
+    if isinstance(value, tuple):
+        return pair_prompt(tokenizer, *value)["prompt_token_ids"]
+    return list(value)
 
 
 def _texts(value: Value) -> tuple[str, ...]:
