@@ -18,12 +18,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from pagedllm.models.config import ModelConfig
 from pagedllm.pooling_params import PoolingParams
+
+if TYPE_CHECKING:  # a type only: the sequences' room stays below the models' (docs/ARCHITECTURE.md)
+    from pagedllm.models.config import ModelConfig
 
 POOLING_TYPES = ("last", "mean", "cls")
 EMBED, SCORE, GENERATE = "embed", "score", "generate"

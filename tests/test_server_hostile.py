@@ -30,6 +30,7 @@ MAX_MODEL_LEN = 128  # short, so that whatever max_tokens the fuzzer picks, its 
 VOCAB = 384  # the tiny model's
 COMPLETIONS, CHAT, RESPONSES = "/v1/completions", "/v1/chat/completions", "/v1/responses"
 LORA_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+POOLING_ROUTES = ("/v1/embeddings", "/v1/score", "/v1/rerank")  # refused by a generate server, after validation
 HI = [{"role": "user", "content": "hi"}]
 HUGE = 2**70
 LIMITS = ServeOptions()  # the server below runs with the default limits
@@ -465,7 +466,9 @@ def schema(server) -> schemathesis.BaseSchema:
     return schemathesis.openapi.from_url(f"{server.url}/openapi.json")
 
 
-@pytest.mark.parametrize("path", [COMPLETIONS, CHAT, RESPONSES, "/tokenize", "/detokenize", *LORA_ROUTES])
+@pytest.mark.parametrize(
+    "path", [COMPLETIONS, CHAT, RESPONSES, "/tokenize", "/detokenize", *LORA_ROUTES, *POOLING_ROUTES]
+)
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=lambda mode: mode.value)
 def test_fuzzed_requests_get_no_5xx_and_well_shaped_answers(server, expected, schema, path, mode):
     fuzz(server, schema[path]["POST"], mode)
@@ -482,7 +485,8 @@ def test_fuzzed_streams_get_no_5xx_and_carry_only_chunks(server, expected, schem
 def test_every_other_route_answers_without_a_5xx(server, expected, schema):
     """The routes without a body, whatever they are (the /kv page's among them): nothing to generate but the
     one request each."""
-    fuzzed = [(path, "POST") for path in (COMPLETIONS, CHAT, RESPONSES, "/tokenize", "/detokenize", *LORA_ROUTES)]
+    bodies = (COMPLETIONS, CHAT, RESPONSES, "/tokenize", "/detokenize", *LORA_ROUTES, *POOLING_ROUTES)
+    fuzzed = [(path, "POST") for path in bodies]
     others = [op.ok() for op in schema.get_all_operations() if (op.ok().path, op.ok().method.upper()) not in fuzzed]
     assert {op.path for op in others} >= {"/v1/models", "/health", "/metrics"}
     # Their answers are declared, so the fuzzer checks bodies against shapes, not only the absence of a 5xx.
