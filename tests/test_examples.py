@@ -18,6 +18,7 @@ EXPECTED = {
     "speculative.py": ["guessed tokens accepted"],
     "serve_openai.py": ["chat: The capital of France is Paris.", "tool call:", "get_weather", "responses:"],
     "agent.py": ["Paris"],
+    "embeddings.py": ["retrieved: Paris is the capital", "answer: Paris"],
 }
 
 
