@@ -11,6 +11,7 @@ from typing import Any
 
 from pagedllm.benchmarks.accuracy import add_bench_accuracy_args, run_bench_accuracy
 from pagedllm.benchmarks.embed import add_bench_embed_args, run_bench_embed
+from pagedllm.benchmarks.flood import add_bench_flood_args, run_bench_flood
 from pagedllm.benchmarks.memory import add_bench_memory_args, run_bench_memory
 from pagedllm.benchmarks.serve import add_bench_serve_args, run_bench_serve
 from pagedllm.benchmarks.soak import add_bench_soak_args, run_bench_soak
@@ -191,6 +192,11 @@ def make_parser() -> argparse.ArgumentParser:
     )
     add_bench_embed_args(bench_embed)
     bench_embed.set_defaults(handler=run_bench_embed)
+    bench_flood = benchmarks.add_parser(
+        "flood", help="a chat stream's time per token alone and beside a flood of embeddings, on one engine"
+    )
+    add_bench_flood_args(bench_flood)
+    bench_flood.set_defaults(handler=run_bench_flood)
     bench_structured = benchmarks.add_parser(
         "structured", help="throughput with a JSON-schema constraint on every request vs none, same tokens"
     )

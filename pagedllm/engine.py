@@ -448,10 +448,14 @@ class LLMEngine:
         return CoreStep(deltas, failed)
 
     def _pace_pooling(self, ran: SchedulerOutput, seconds: float) -> None:
-        """Learn from a step that ran generation what pooled tokens cost it, and cap the next ones."""
-        if self.pooler is None or not any(item.seq.pool is None for item in ran.scheduled):
+        """Learn from a step that decoded what pooled tokens cost it, and cap the next ones. (A step that also
+        prefilled a generation prompt says nothing of either: its time is that prompt's.)"""
+        generating = [item for item in ran.scheduled if item.seq.pool is None]
+        if self.pooler is None or not generating:
             return
-        self._pace.record(seconds, sum(item.num_new_tokens for item in ran.scheduled if item.seq.pool is not None))
+        if all(item.num_new_tokens - item.num_drafts == 1 for item in generating):
+            pooled = sum(item.num_new_tokens for item in ran.scheduled if item.seq.pool is not None)
+            self._pace.record(seconds, pooled)
         self.scheduler.pooling_budget = self._pace.budget()
 
     def stop_sequences(self, stops: list[StringStop]) -> None:
