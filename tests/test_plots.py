@@ -8,7 +8,15 @@ import numpy as np
 from matplotlib.image import imread
 
 from pagedllm.benchmarks.memory import MemoryResult
-from pagedllm.benchmarks.plots import DOUBLE, DPI, WIDE, plot_latency_cdfs, plot_memory, plot_throughput
+from pagedllm.benchmarks.plots import (
+    DOUBLE,
+    DPI,
+    WIDE,
+    plot_embed_throughput,
+    plot_latency_cdfs,
+    plot_memory,
+    plot_throughput,
+)
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 ROWS = [
@@ -74,3 +82,14 @@ def test_latency_cdfs_are_one_png_with_two_panels(tmp_path):
     half = image.shape[1] // 2
     assert not np.array_equal(image[:, :half], other[:, :half])
     assert np.array_equal(image[:, half + 20 :], other[:, half + 20 :])
+
+
+def test_embed_plot_is_a_png_of_the_agreed_size_that_draws_its_numbers(tmp_path):
+    sizes = [1, 8, 32, 128, 256]
+    series = {"pagedllm": [10.0, 40.0, 60.0, 62.0, 61.0], "sentence-transformers": [8.0, 30.0, 50.0, 55.0, 54.0]}
+    plot_embed_throughput(sizes, series, tmp_path / "a.png", "Embedding throughput")
+    image = read_png(tmp_path / "a.png", WIDE)
+    plot_embed_throughput(
+        sizes, {**series, "pagedllm": [10.0, 40.0, 60.0, 62.0, 90.0]}, tmp_path / "b.png", "Embedding throughput"
+    )
+    assert not np.array_equal(image, imread(tmp_path / "b.png"))

@@ -256,11 +256,11 @@ def run_bench_embed(args: argparse.Namespace) -> int:
         for batch_size in args.batch_sizes:
             results.append(measure_batch(setup, model, corpus, batch_size))
             print(format_row(results[-1]), flush=True)
+            if args.output is not None:  # after every batch size: a long run stopped early keeps what it measured
+                wall = time.perf_counter() - started
+                args.output.write_text(json.dumps(report(setup, args.model, results, wall), indent=2))
     print(format_phases(results))
-    wall = time.perf_counter() - started
-    print(f"wall time {wall:.0f} s")
-    if args.output is not None:
-        args.output.write_text(json.dumps(report(setup, args.model, results, wall), indent=2))
+    print(f"wall time {time.perf_counter() - started:.0f} s")
     if args.plot is not None:
         plot(results, args.plot, f"{Path(args.model).name if args.model else 'SmolLM2-135M'}, {dtype}")
     worst = min(result.cosine_worst for result in results)
