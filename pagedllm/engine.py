@@ -94,7 +94,8 @@ class LLMEngine:
         lean = reads_lean_folder(config.device, config.tensor_parallel_size, config.dequantize)
         folder = resolve_model_folder(config.model, lean)
         model_config = ModelConfig.from_folder(folder)
-        self.task = resolve_task(config.task, folder, json.loads((folder / "config.json").read_text()))
+        raw_config = json.loads((folder / "config.json").read_text())  # the pooling settings are read from it
+        self.task = resolve_task(config.task, model_config, raw_config)
         _check_task(self.task, model_config, config)
         settings = config.speculative_config
         speculative = None if settings is None else SpeculativeConfig.from_dict(settings)
@@ -118,7 +119,8 @@ class LLMEngine:
         self.text_bound = TextBound.of(self.tokenizer)
         # How prompts become vectors, on an embed or score engine.
         pooling = pooling_task(self.task)
-        self.pooler = None if pooling is None else Pooler.of(model_config, pooling, self.tokenizer.get_vocab())
+        vocab = self.tokenizer.get_vocab()
+        self.pooler = None if pooling is None else Pooler.of(model_config, raw_config, pooling, vocab)
         model = self.loaded.model
         shape = KVShape.of(
             model.num_layers,
@@ -145,7 +147,8 @@ class LLMEngine:
             config.max_loras if config.enable_lora else 0,
         )
         self._pace = PoolingPace(config.pooling_stretch)
-        self.scheduler.pooling_budget = self._pace.budget()
+        if self.pooler is not None:  # without one no step is paced (the budget stays None)
+            self.scheduler.pooling_budget = self._pace.budget()
         draft = None if speculative is None or speculative.model is None else self._load_draft(speculative.model)
         self.worker = Worker(
             self.loaded.model,
@@ -284,10 +287,10 @@ class LLMEngine:
         self.pooler.check(params)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        limit = params.truncate_prompt_tokens
-        text, token_ids = tokenize_prompt(self.tokenizer, prompt) if limit else self.tokenize(prompt)
-        if limit:
-            token_ids = token_ids[-(self.max_model_len if limit == -1 else min(limit, self.max_model_len)) :]
+        # A prompt to truncate may be as long as it likes: the text bound does not refuse it.
+        truncates = params.truncate_prompt_tokens is not None
+        text, token_ids = tokenize_prompt(self.tokenizer, prompt) if truncates else self.tokenize(prompt)
+        token_ids = params.truncated(token_ids, self.max_model_len)
         self._check_tokens(token_ids)
         if len(token_ids) > self.max_model_len:
             raise ValueError(
@@ -450,8 +453,10 @@ class LLMEngine:
     def _pace_pooling(self, ran: SchedulerOutput, seconds: float) -> None:
         """Learn from a step that decoded what pooled tokens cost it, and cap the next ones. (A step that also
         prefilled a generation prompt says nothing of either: its time is that prompt's.)"""
+        if self.pooler is None:
+            return
         generating = [item for item in ran.scheduled if item.seq.pool is None]
-        if self.pooler is None or not generating:
+        if not generating:
             return
         if all(item.num_new_tokens - item.num_drafts == 1 for item in generating):
             pooled = sum(item.num_new_tokens for item in ran.scheduled if item.seq.pool is not None)

@@ -60,11 +60,10 @@ class Pooler:
     default_prompt_name: str | None = None
 
     @classmethod
-    def of(cls, config: ModelConfig, task: str, vocab: dict[str, int]) -> Pooler:
-        """The pooler a `task` engine (EMBED or SCORE) runs with this checkpoint. ValueError naming the file
-        and what it asks for where pagedllm cannot follow it."""
+    def of(cls, config: ModelConfig, raw_config: dict, task: str, vocab: dict[str, int]) -> Pooler:
+        """The pooler a `task` engine (EMBED or SCORE) runs with this checkpoint (`raw_config`: its config.json).
+        ValueError naming the file and what it asks for where pagedllm cannot follow it."""
         folder = config.folder
-        raw_config = json.loads((folder / "config.json").read_text())
         prompts, default_prompt = _st_prompts(folder)
         if task == SCORE:
             head, labels = _score_head(config, raw_config, vocab)
@@ -130,28 +129,30 @@ class PoolState:
         return F.normalize(vector, dim=-1) if normalize else vector
 
 
+def task_parts(task: str) -> list[str]:
+    """The tasks an engine of this task (`EngineConfig.task`, resolved) runs: one, or generate and a pooling one."""
+    return task.split(",")
+
+
 def generates(task: str) -> bool:
-    """Whether an engine of this task (`EngineConfig.task`, resolved) generates text."""
-    return GENERATE in task.split(",")
+    """Whether an engine of this task generates text."""
+    return GENERATE in task_parts(task)
 
 
 def pooling_task(task: str) -> str | None:
     """The pooling task (EMBED or SCORE) an engine of this task runs, if any."""
-    return next((part for part in task.split(",") if part != GENERATE), None)
+    return next((part for part in task_parts(task) if part != GENERATE), None)
 
 
-def resolve_task(requested: str, folder: Path, raw_config: dict) -> str:
-    """What an engine on this checkpoint runs: `requested`, or with "auto" the checkpoint's own (a
-    classification architecture or `classifier_from_token`: score; sentence-transformers' modules or a bare
-    `*Model` architecture: embed; else generate)."""
+def resolve_task(requested: str, config: ModelConfig, raw_config: dict) -> str:
+    """What an engine on this checkpoint runs: `requested`, or with "auto" the checkpoint's own (a classifier
+    or `classifier_from_token` in `raw_config`, its config.json: score; sentence-transformers' modules or a
+    checkpoint without an LM head, a bare `*Model`: embed; else generate)."""
     if requested != "auto":
         return requested
-    architectures = raw_config.get("architectures") or ()
-    if any(name.endswith("ForSequenceClassification") for name in architectures) or raw_config.get(
-        "classifier_from_token"
-    ):
+    if config.num_labels or raw_config.get("classifier_from_token"):
         return SCORE
-    if (folder / "modules.json").is_file() or any(name.endswith("Model") for name in architectures):
+    if (config.folder / "modules.json").is_file() or not config.has_lm_head:
         return EMBED
     return GENERATE
 

@@ -30,6 +30,13 @@ class PoolingParams:
         if limit is not None and (not _is_int(limit) or (limit < 1 and limit != -1)):
             raise ValueError(f"truncate_prompt_tokens must be a positive integer or -1, got {limit!r}")
 
+    def truncated(self, token_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt's last `truncate_prompt_tokens` tokens (-1: `max_model_len` of them); all, without it."""
+        limit = self.truncate_prompt_tokens
+        if limit is None:
+            return token_ids
+        return token_ids[-(max_model_len if limit == -1 else min(limit, max_model_len)) :]
+
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)

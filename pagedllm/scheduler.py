@@ -110,7 +110,8 @@ class Scheduler:
         out = SchedulerOutput()
         spec = self.speculative
         self._speculating = spec is not None and self.num_running_seqs <= spec.disable_by_batch_size
-        self._pool_left = self.pooling_budget if self._generating() else None
+        # Paced only on an engine that pools (its budget is set) while generation runs or waits.
+        self._pool_left = self.pooling_budget if self.pooling_budget is not None and self._generating() else None
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             budget = self._swap_in(out, budget)

@@ -33,7 +33,7 @@ from pagedllm.entrypoints.openai.async_engine import (
 )
 from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedllm.pooling import EMBED, GENERATE, SCORE
+from pagedllm.pooling import EMBED, GENERATE, SCORE, task_parts
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -206,7 +206,7 @@ class OpenAIServing:
         """The call's id and model; a 400 unless the engine runs one of `tasks`, those the route serves (an engine's
         task may be two: generate,embed)."""
         name = self._model(model)
-        runs = self.engine.task.split(",")
+        runs = task_parts(self.engine.task)
         if not set(tasks) & set(runs):
             serves = "; ".join(_TASK_ROUTES[task] for task in runs)
             message = f"this server's task is {self.engine.task}: {serves}; this route needs --task {tasks[0]}"

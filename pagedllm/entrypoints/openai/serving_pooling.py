@@ -164,7 +164,7 @@ class OpenAIServingPooling(common.OpenAIServing):
         model's default instruction prefix, as `LLM.embed` gives them."""
         if instruct:
             inputs = [self._instructed(one) for one in inputs]
-        prompts = await self._prompts(inputs, params.truncate_prompt_tokens)
+        prompts = await self._prompts(inputs, params)
         # The engine's own refusals (a prompt the KV pool cannot hold) say which prompt; the field is the input's.
         field = inputs[0].param.split(".", 1)[0]
         group = await self._add(prompts, None, params, param=field, lora_request=call.lora_request)
@@ -175,19 +175,17 @@ class OpenAIServingPooling(common.OpenAIServing):
             return one
         return _Input(one.param, with_instruction(self.engine.pooler, one.value, None))
 
-    async def _prompts(self, inputs: list[_Input], truncate: int | None) -> list[dict]:
+    async def _prompts(self, inputs: list[_Input], params: PoolingParams) -> list[dict]:
         """Each input tokenized (the call's texts on one thread: the tokenizer releases the GIL), checked against the
-        vocabulary and the model's length, and cut to its last tokens where `truncate` asks."""
-        if truncate is None:
+        vocabulary and the model's length, and cut to its last tokens where `truncate_prompt_tokens` asks."""
+        if params.truncate_prompt_tokens is None:
             for one in inputs:
                 for text in _texts(one.value):
                     self._check_text_fits(text, one.param)
         tokenizer = self.engine.tokenizer
         token_ids = await asyncio.to_thread(lambda: [_token_ids(tokenizer, one.value) for one in inputs])
         limit = self.engine.max_model_len
-        if truncate is not None:
-            keep = limit if truncate == -1 else min(truncate, limit)
-            token_ids = [ids[-keep:] for ids in token_ids]
+        token_ids = [params.truncated(ids, limit) for ids in token_ids]
         vocab = len(tokenizer)
         prompts = []
         for one, ids in zip(inputs, token_ids, strict=True):
