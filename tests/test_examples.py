@@ -19,6 +19,8 @@ EXPECTED = {
     "serve_openai.py": ["chat: The capital of France is Paris.", "tool call:", "get_weather", "responses:"],
     "agent.py": ["Paris"],
     "embeddings.py": ["retrieved: Paris is the capital", "answer: Paris"],
+    "lora.py": ["base model: The capital of France is Paris.", "the adapter changed the answer: True"],
+    "tools.py": ['tool call: get_weather {"city": "Paris"} (finish_reason tool_calls)', "answer: ", "Paris"],
 }
 
 
