@@ -26,6 +26,7 @@ from pagedllm.models.decoder import CausalLM
 from pagedllm.outputs import Logprob
 from pagedllm.sequence import Sequence
 from pagedllm.step import ModelOutput, RowOutput, SampleRow, SchedulerOutput
+from pagedllm.worker.allocator import keep_freed_memory
 from pagedllm.worker.cache_engine import CacheEngine, KVShape
 from pagedllm.worker.draft import DraftModel
 from pagedllm.worker.lora_manager import LoRAManager
@@ -130,6 +131,8 @@ class Worker:
         draft: DraftModel | None = None,
         lora: LoRAManager | None = None,
     ) -> None:
+        if device == "cpu":
+            keep_freed_memory()
         self.block_size = shape.block_size
         self.lora = lora  # the LoRA adapters' slots, when the engine serves them (never in a tensor-parallel group)
         # Rank 0 of a tensor-parallel group: its steps' inputs go to the other ranks. (A process holds one
