@@ -26,6 +26,7 @@ from pagedllm.kv.kv_cache_manager import KVCacheManager
 from pagedllm.lora_request import LoRARequest
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.loader import LoadedModel, load_model, reads_lean_folder, resolve_model_folder
+from pagedllm.models.loader import load_tokenizer as load_tokenizer  # the server's process reads the same tokenizer
 from pagedllm.output_processor import OutputProcessor, StringStop
 from pagedllm.outputs import (
     EngineStats,

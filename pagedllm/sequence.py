@@ -8,14 +8,17 @@ import enum
 import itertools
 import json
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-import xgrammar as xgr
 
 from pagedllm.lora_request import LoRARequest
 from pagedllm.outputs import SampleLogprobs
 from pagedllm.pooling import PoolState
 from pagedllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 # The sampling side of a pooling sequence, which runs its prompt only and never gets a sample row.
 PREFILL_ONLY = SamplingParams(max_tokens=1, temperature=0.0)

@@ -2,7 +2,8 @@
 their source), and each constrained sequence owns a `GrammarMatcher` that masks the tokens the grammar
 forbids, accepts the token drawn, forks with the sequence and says when the text is complete.
 
-A constraint that does not compile is refused with a ValueError naming it, never run unconstrained.
+A constraint that does not compile is refused with a ValueError naming it, never run unconstrained. xgrammar is
+imported by the first constraint, not at start-up: importing it takes a quarter of a second.
 """
 
 from __future__ import annotations
@@ -11,11 +12,14 @@ import functools
 import json
 import re
 import threading
+from typing import TYPE_CHECKING
 
-import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
 from pagedllm.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 # Compiled grammars kept for reuse. A JSON schema's grammar is a few hundred KB; this holds thousands.
 _CACHE_LIMIT_BYTES = 512 << 20
@@ -34,6 +38,8 @@ class StructuredOutputCompiler:
         self._lock = threading.Lock()
 
     def matcher(self, spec: StructuredOutputsParams) -> xgr.GrammarMatcher:
+        import xgrammar as xgr
+
         return xgr.GrammarMatcher(self.compile(spec))
 
     def compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
@@ -51,6 +57,8 @@ class StructuredOutputCompiler:
 
     def _get_compiler(self) -> xgr.GrammarCompiler:
         # Reading the vocabulary takes a quarter of a second: only engines that see a constraint pay it.
+        import xgrammar as xgr
+
         with self._lock:
             if self._compiler is None:
                 info = xgr.TokenizerInfo.from_huggingface(
@@ -61,6 +69,8 @@ class StructuredOutputCompiler:
 
 
 def _grammar(spec: StructuredOutputsParams) -> xgr.Grammar:
+    import xgrammar as xgr
+
     kind = spec.kind
     if kind == "json":
         schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json, sort_keys=True)
@@ -85,6 +95,8 @@ body ::= TagDispatch(loop_after_dispatch=false, excludes=("</think>", "<think>")
 
 def _after_reasoning(grammar: xgr.Grammar, reasoning: str) -> xgr.Grammar:
     """`grammar` after a reasoning block: an optional one that opens the text, or one already open."""
+    import xgrammar as xgr
+
     if reasoning == "open":
         return xgr.Grammar.concat(xgr.Grammar.from_ebnf(_THINK_BLOCK.format(begin='"<think>"?')), grammar)
     block = xgr.Grammar.from_ebnf(_THINK_BLOCK.format(begin='"<think>"'))
@@ -101,6 +113,8 @@ _JSON_STRING_CHAR = r"[^\"\\\0-\x1f]"
 @functools.lru_cache(maxsize=256)
 def _json_schema_grammar(schema: str) -> str:
     """The EBNF xgrammar writes for a JSON schema, with control characters kept out of every string."""
+    import xgrammar as xgr
+
     grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False)
     return str(grammar).replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
 

@@ -129,11 +129,12 @@ def test_the_kernels_built_without_vector_extensions(kind: Q, portable_library: 
     assert (matmul(x, weight).double() - x.double() @ exact.T).abs().max().item() < bound
 
 
-def test_a_nan_scale_is_refused_naming_where() -> None:
+@pytest.mark.parametrize("high", [0x7E, 0xFC, 0x7C], ids=["nan", "-inf", "inf"])
+def test_a_nan_or_inf_scale_is_refused_naming_where(high: int) -> None:
     weight, _ = _weight(Q.Q4_1, 4, 64)
     weight.check("t")  # a sound weight passes
     damaged = weight.data.clone()
-    damaged[2, 20 + 2 : 20 + 4] = torch.tensor([0x00, 0x7E], dtype=torch.uint8)  # block 1's minimum: fp16 NaN
+    damaged[2, 20 + 2 : 20 + 4] = torch.tensor([0x00, high], dtype=torch.uint8)  # block 1's minimum, fp16
     with pytest.raises(ValueError, match="t: Q4_1 block 1 of row 2 has a scale that is NaN or inf"):
         QuantizedWeight(Q.Q4_1, damaged, 64).check("t")
 
@@ -191,7 +192,7 @@ def test_the_quantized_path_reads_a_folder_without_the_quantized_tensors(quantiz
     llm = LLM(model=path, dtype="float32", num_kv_blocks=64, dequantize=False)
     lean = llm.engine.loaded.folder
     assert lean != folder
-    held = set(quantized_weights(path))
+    held = set(quantized_weights(path, lean))
     whole, kept = load_file(folder / "model.safetensors"), load_file(lean / "model.safetensors")
     assert held and held <= set(whole) and not held & set(kept)
     assert set(kept) == set(whole) - held  # everything else, as the whole folder has it

@@ -28,6 +28,7 @@ factors), the head size, sliding windows, Gemma's attention scale, MoE widths, e
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
 import struct
@@ -51,7 +52,11 @@ if TYPE_CHECKING:
 
 # Part of the cache key: bump it whenever the converted folder's contents change, so stale
 # conversions made by an older pagedllm are not reused.
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3
+# In a lean folder: which GGUF tensors stay quantized, under which parameter names, their rows in which order.
+# Start-up reads it instead of rebuilding the plan, which needs transformers' config and model classes (~2 s
+# of imports).
+HELD_PLAN = "held_weights.json"
 # Written last into a converted folder (it lists every file, and records the conversion): a folder
 # without it, or that does not match it, is converted again.
 COMPLETE_MARKER = MANIFEST
@@ -124,13 +129,35 @@ _TURN_END_TOKENS = (
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
-def quantized_weights(gguf_path: Path) -> dict[str, QuantizedWeight]:
+def quantized_weights(gguf_path: Path, lean_folder: Path) -> dict[str, QuantizedWeight]:
     """The 2-D tensors of `gguf_path` that stay quantized in memory (`quantized.holds_quantized`), by the
     parameter names of the converted folder's checkpoint, their rows in that checkpoint's order: what the
-    lean folder (`gguf_to_hf_folder(..., lean=True)`) leaves out."""
+    lean folder (`gguf_to_hf_folder(..., lean=True)`) leaves out, as its `HELD_PLAN` lists them."""
+    import torch
+
+    from pagedllm.models.quantized import QuantizedWeight
+
     gguf = GGUFFile(gguf_path)
-    family = _family(gguf)
-    return _WeightPlan(gguf, family, hf_config(gguf, family)).quantized()
+    plan = json.loads((lean_folder / HELD_PLAN).read_text())
+    out: dict[str, QuantizedWeight] = {}
+    for name, entry in plan.items():
+        info = gguf.tensors.get(name)
+        if info is None or len(info.shape) != 2:
+            raise ValueError(f"{lean_folder / HELD_PLAN} names tensor {name!r}, which {gguf_path} has not as a matrix")
+        weight = QuantizedWeight(info.ggml_type, torch.from_numpy(gguf.blocks(name)), info.shape[1])
+        if entry["order"] is not None:
+            weight = weight.rows(torch.tensor(entry["order"], dtype=torch.int64))
+        weight.check(f"{gguf_path}: tensor {name!r}")
+        out[entry["param"]] = weight
+    return out
+
+
+def is_converted(folder: Path) -> bool:
+    """Whether `folder` is a GGUF file's conversion, as its manifest records."""
+    try:
+        return "converter_version" in json.loads((folder / COMPLETE_MARKER).read_text())["record"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def conversion_key(gguf_path: Path, lean: bool = False) -> str:
@@ -164,6 +191,8 @@ def _convert(gguf_path: Path, out_dir: Path, lean: bool) -> dict[str, Any]:
     eos_ids = _end_of_generation_ids(gguf, tokenizer)
     config.eos_token_id = _one_or_list(eos_ids)
     tensors = plan.run(skip=plan.held_sources() if lean else frozenset())
+    if lean:
+        (out_dir / HELD_PLAN).write_text(json.dumps(plan.held_plan()))
     # "format": "pt" is what transformers expects in a safetensors header before loading it into torch.
     from safetensors.torch import save_file
 
@@ -708,22 +737,17 @@ class _WeightPlan:
             state[name] = self._fit(name, tensor)
         return {name: _own(tensor) for name, tensor in self._saved_layout(state).items()}
 
-    def quantized(self) -> dict[str, QuantizedWeight]:
-        """`quantized_weights`: each tensor's blocks as stored, reordered by whole rows where transformers'
-        processor reorders rows (the Q/K permutation of the llama family); a tensor the processor changes in
-        any other way is left to the dequantized folder."""
+    def held_plan(self) -> dict[str, dict[str, Any]]:
+        """`HELD_PLAN`: each tensor that stays quantized, by GGUF name: its parameter and the order of its rows
+        there (None: as stored), where transformers' processor reorders rows (the Q/K permutation of the llama
+        family); a tensor the processor changes in any other way is left to the dequantized folder."""
         import torch
 
-        from pagedllm.models.quantized import QuantizedWeight
-
-        out: dict[str, QuantizedWeight] = {}
+        plan = {}
         for name, order in self._held_orders().items():
-            info = self.gguf.tensors[name]
-            data = torch.from_numpy(self.gguf.blocks(name))
-            weight = QuantizedWeight(info.ggml_type, data, info.shape[1]).rows(order)
-            weight.check(f"{self.gguf.path}: tensor {name!r}")
-            out[self.names[name]] = weight
-        return out
+            identity = bool(torch.equal(order, torch.arange(len(order))))
+            plan[name] = {"param": self.names[name], "order": None if identity else order.tolist()}
+        return plan
 
     def held_sources(self) -> frozenset[str]:
         """The GGUF names of the tensors `quantized` holds."""

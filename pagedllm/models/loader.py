@@ -14,7 +14,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 from safetensors import safe_open
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from pagedllm.distributed.parallel import Shard
 from pagedllm.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
@@ -107,7 +107,7 @@ def load_model(
         net.lm_head.weight = net.embed_tokens.weight
     if shard is not None and shard.world_size > 1:
         shard_model(net, shard)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer = load_tokenizer(folder)
     net = net.to(device).eval().requires_grad_(False)
     net.prepack()
     if quantized_path:
@@ -180,7 +180,7 @@ def _held_quantized(
     from pagedllm.models.gguf import quantized_weights
 
     source = _gguf_source(model)
-    held = quantized_weights(source) if source is not None and not dequantize else {}
+    held = quantized_weights(source, folder) if source is not None and not dequantize else {}
     if quantization is not None:
         held |= quantize_checkpoint(folder, net, QUANTIZATION_TYPES[quantization], held)
     return held
@@ -344,3 +344,14 @@ class Checkpoint(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self._where)
+
+
+def load_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer of `folder`. A GGUF file's conversion holds the `PreTrainedTokenizerFast` that `gguf.py`
+    built, and is read back as one: `AutoTokenizer` would first build the model's config, which imports
+    transformers' model code (over a second of every start)."""
+    from pagedllm.models.gguf import is_converted
+
+    if is_converted(folder):
+        return PreTrainedTokenizerFast.from_pretrained(folder)
+    return AutoTokenizer.from_pretrained(folder)

@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-import xgrammar as xgr
 
 from pagedllm.outputs import Logprob
 from pagedllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 # Block sizes tried, largest first, to split the vocabulary into equal blocks (see _blocks).
 _BLOCK_SIZES = (256, 128, 64)
@@ -130,6 +133,8 @@ def _apply_grammars(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     constrained = [i for i, row in enumerate(rows) if row.grammar is not None]
     if not constrained:
         return
+    import xgrammar as xgr
+
     # xgrammar indexes the mask and the logits by the same row; unconstrained rows keep the all-allowed fill.
     bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[1])
     for i in constrained:

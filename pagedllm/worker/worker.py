@@ -16,9 +16,9 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-import xgrammar as xgr
 
 from pagedllm.distributed import parallel
 from pagedllm.kv.kv_cache_manager import BlockPair
@@ -35,6 +35,9 @@ from pagedllm.worker.sampler import Sampler, SamplingRow, token_logprobs, top_lo
 from pagedllm.worker.threads import ThreadChooser
 
 # The stages of `Worker.execute`, as errors name them.
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
 PREPARING = "preparing the batch"
 MOVING_BLOCKS = "moving KV blocks (swap, copy-on-write)"
 FORWARD = "the forward pass"

@@ -21,10 +21,10 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from pagedllm.beam_search import BeamSearchParams
-from pagedllm.engine import PromptInput, TextBound, tokenize_prompt
+from pagedllm.engine import PromptInput, TextBound, load_tokenizer, tokenize_prompt
 from pagedllm.entrypoints.openai.engine_core import (
     Abort,
     Added,
@@ -178,7 +178,7 @@ class AsyncLLMEngine:
         self.max_model_len = ready.max_model_len
         self.task = ready.task
         self.pooler: Pooler | None = ready.pooler
-        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(ready.model_folder)
+        self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(ready.model_folder)
         self.text_bound = TextBound.of(self.tokenizer)  # the core's own, so both refuse the same texts
         self.output_processor = OutputProcessor(self.tokenizer)
         logger.info("engine core ready in %.2f s (pid %d)", ready.startup_seconds, self._process.pid)

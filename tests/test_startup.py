@@ -1,0 +1,38 @@
+"""What a start imports: generating from the default model (its GGUF conversion already cached) must not import
+what only some requests or commands use, nor transformers' model code, which the converted folder makes needless.
+Each is a second or a fraction of one of every start (docs/PERFORMANCE.md, "Start-up to ready")."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from pagedllm.models.loader import resolve_model_folder
+
+# Imported only by a constrained request, a Ray backend, a plot; transformers' Llama classes only by a conversion.
+NOT_AT_START = (
+    "xgrammar",
+    "ray",
+    "matplotlib",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.llama.configuration_llama",
+)
+
+CHILD = """
+import json, sys
+from pagedllm import LLM, SamplingParams
+llm = LLM(num_kv_blocks=16)
+out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+assert out[0].outputs[0].token_ids
+print(json.dumps(sorted(sys.modules)))
+"""
+
+
+def test_a_start_imports_only_what_generation_needs() -> None:
+    resolve_model_folder(None, lean=True)  # the conversion is made once, here: it needs transformers' classes
+    child = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr
+    loaded = set(json.loads(child.stdout.splitlines()[-1]))
+    assert "transformers" in loaded  # the tokenizer is transformers'
+    assert not [name for name in NOT_AT_START if name in loaded]
