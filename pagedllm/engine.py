@@ -20,7 +20,7 @@ from collections.abc import Callable
 from transformers import PreTrainedTokenizerBase
 
 from pagedllm.beam_search import BeamSearchParams, BeamState
-from pagedllm.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
+from pagedllm.config import EngineConfig
 from pagedllm.kv.events import KVEventFile, KVEventSink
 from pagedllm.kv.kv_cache_manager import KVCacheManager
 from pagedllm.lora_request import LoRARequest
@@ -37,7 +37,16 @@ from pagedllm.outputs import (
     SequenceDelta,
 )
 from pagedllm.pacing import PoolingPace
-from pagedllm.pooling import EMBED, SCORE, Pooler, PoolState, generates, pooling_task, resolve_task
+from pagedllm.pooling import (
+    EMBED,
+    SCORE,
+    Pooler,
+    PoolState,
+    generates,
+    pooling_task,
+    resolve_task,
+    truncated_encoding,
+)
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.request import SequenceGroup
 from pagedllm.sampling_params import SamplingParams
@@ -48,7 +57,7 @@ from pagedllm.step import ModelOutput, NewToken, SchedulerOutput, StepUpdate
 from pagedllm.structured_output import StructuredOutputCompiler
 from pagedllm.worker.cache_engine import KVShape
 from pagedllm.worker.draft import DraftModel
-from pagedllm.worker.group import TensorParallelGroup, pool_size
+from pagedllm.worker.group import TensorParallelGroup, pool_size, step_budget
 from pagedllm.worker.lora_manager import LoRAManager
 from pagedllm.worker.worker import StageError, StepTimer, Worker
 
@@ -136,10 +145,12 @@ class LLMEngine:
         self.vocab_size = self.loaded.config.vocab_size
         eos_ids = _eos_ids(self.loaded)
         self.sequences = SequenceFactory(config.seed)
+        # An encoder's blocks hold nothing a later prompt could reuse: every position depends on the whole prompt.
+        caching = config.enable_prefix_caching and model_config.encoder is None
         self.scheduler = Scheduler(
-            KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks, window),
+            KVCacheManager(num_blocks, config.block_size, caching, num_cpu_blocks, window),
             config.max_num_seqs,
-            config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
+            step_budget(config, model_config),
             config.preemption_mode,
             self.sequences,
             eos_ids,
@@ -288,10 +299,7 @@ class LLMEngine:
         self.pooler.check(params)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        # A prompt to truncate may be as long as it likes: the text bound does not refuse it.
-        truncates = params.truncate_prompt_tokens is not None
-        text, token_ids = tokenize_prompt(self.tokenizer, prompt) if truncates else self.tokenize(prompt)
-        token_ids = params.truncated(token_ids, self.max_model_len)
+        text, token_ids, token_types = self._pooling_tokens(prompt, params)
         self._check_tokens(token_ids)
         if len(token_ids) > self.max_model_len:
             raise ValueError(
@@ -301,10 +309,39 @@ class LLMEngine:
         self.scheduler.check_fits(len(token_ids), len(token_ids), 1)
         if lora_request is not None:
             self.add_lora(lora_request)
-        seq = self.sequences.new_pooled(request_id, token_ids, PoolState(self.pooler, params))
+        seq = self.sequences.new_pooled(request_id, token_ids, PoolState(self.pooler, params), token_types)
         seq.cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         seq.lora = lora_request
         return SequenceGroup(request_id, text, token_ids, [seq])
+
+    def _pooling_tokens(
+        self, prompt: PromptInput, params: PoolingParams
+    ) -> tuple[str | None, list[int], list[int] | None]:
+        """A pooling prompt's text, token ids and token types (a dict's `token_type_ids`, an encoder's text pair
+        segments; None: all 0), cut as `truncate_prompt_tokens` asks: an encoder's text by its tokenizer, which
+        keeps its CLS token; token ids to their last tokens."""
+        limit = params.truncation_length(self.max_model_len)
+        text = prompt if isinstance(prompt, str) else None
+        if limit is not None and text is not None and self.pooler is not None and self.pooler.bidirectional:
+            encoded = truncated_encoding(self.tokenizer, text, limit)
+            return text, encoded["input_ids"], encoded.get("token_type_ids")
+        # A prompt to truncate may be as long as it likes: the text bound does not refuse it.
+        text, token_ids = tokenize_prompt(self.tokenizer, prompt) if limit is not None else self.tokenize(prompt)
+        types = prompt.get("token_type_ids") if isinstance(prompt, dict) else None
+        if types is not None:
+            self._check_token_types(list(types), len(token_ids))
+            types = params.truncated(list(types), self.max_model_len)
+        return text, params.truncated(token_ids, self.max_model_len), types
+
+    def _check_token_types(self, types: list[int], num_tokens: int) -> None:
+        encoder = self.loaded.config.encoder
+        if encoder is None:
+            raise ValueError(f"token_type_ids: {self.loaded.config.architecture} has no token-type embedding")
+        if len(types) != num_tokens:
+            raise ValueError(f"token_type_ids has {len(types)} entries for {num_tokens} tokens")
+        outside = next((t for t in types if not 0 <= t < encoder.type_vocab_size), None)
+        if outside is not None:
+            raise ValueError(f"token_type_ids: {outside} is outside [0, {encoder.type_vocab_size})")
 
     # ---- LoRA adapters (vLLM's names) ----------------------------------------------------------
 
@@ -729,6 +766,9 @@ def _check_task(task: str, model: ModelConfig, config: EngineConfig) -> None:
         raise ValueError(f"{model.folder}: a {model.architecture} checkpoint scores; run it with task score")
     if pooling_task(task) is not None and config.tensor_parallel_size > 1:
         raise ValueError(f"task {task} runs on one rank; tensor_parallel_size is {config.tensor_parallel_size}")
+    if model.encoder is not None and (config.enable_lora or config.speculative_config):
+        option = "enable_lora" if config.enable_lora else "speculative_config"
+        raise ValueError(f"{model.folder}: {model.architecture} (an encoder) does not run with {option}")
 
 
 def _kv_window(loaded: LoadedModel) -> int:

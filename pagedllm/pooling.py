@@ -10,7 +10,9 @@ A pooling sequence runs its prompt only (in chunks like any prompt); each step t
 this step's part of the vector (`Pooler.part`), which the sequence's `PoolState` adds up, and the vector is
 finished once the last chunk is computed. Mean and CLS pooling need every position's hidden state, so such a
 sequence takes no prefix-cache hit (it still fills the cache); last-token pooling reads only the last position,
-which is always computed, so it takes hits like a generation request.
+which is always computed, so it takes hits like a generation request. An encoder's sequence (bidirectional
+attention: every position depends on the later ones) is computed whole in one step and takes no hit either; its
+classifier reads the CLS row, and without sentence-transformers' modules it pools the CLS row (vLLM's default).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import torch.nn.functional as F
 from pagedllm.pooling_params import PoolingParams
 
 if TYPE_CHECKING:  # a type only: the sequences' room stays below the models' (docs/ARCHITECTURE.md)
+    from transformers import PreTrainedTokenizerBase
+
     from pagedllm.models.config import ModelConfig
 
 POOLING_TYPES = ("last", "mean", "cls")
@@ -58,6 +62,7 @@ class Pooler:
     label_token_ids: tuple[int, ...] = ()
     prompts: dict[str, str] = field(default_factory=dict)  # named instruction prefixes (sentence-transformers')
     default_prompt_name: str | None = None
+    bidirectional: bool = False  # an encoder's: a prompt runs whole, in one step
 
     @classmethod
     def of(cls, config: ModelConfig, raw_config: dict, task: str, vocab: dict[str, int]) -> Pooler:
@@ -65,18 +70,23 @@ class Pooler:
         ValueError naming the file and what it asks for where pagedllm cannot follow it."""
         folder = config.folder
         prompts, default_prompt = _st_prompts(folder)
+        encoder = config.encoder is not None
         if task == SCORE:
             head, labels = _score_head(config, raw_config, vocab)
             size = config.num_labels if head == "score" else 1
-            return cls(SCORE, "last", False, size, None, head, labels, prompts, default_prompt)
-        pooling_type, normalize = _st_pooling(folder)
+            # A decoder's classifier reads the last token's hidden state, an encoder's the CLS token's.
+            pooling = "cls" if encoder else "last"
+            return cls(SCORE, pooling, False, size, None, head, labels, prompts, default_prompt, encoder)
+        pooling_type, normalize = _st_pooling(folder, "cls" if encoder else "last")
         matryoshka = _matryoshka(raw_config)
-        return cls(EMBED, pooling_type, normalize, config.hidden_size, matryoshka, "none", (), prompts, default_prompt)
+        size = config.hidden_size
+        return cls(EMBED, pooling_type, normalize, size, matryoshka, "none", (), prompts, default_prompt, encoder)
 
     @property
     def takes_prefix_hits(self) -> bool:
-        """Whether a sequence may skip cached positions: only the last position's hidden state is pooled."""
-        return self.pooling_type == "last"
+        """Whether a sequence may skip cached positions: only the last position's hidden state is pooled, and it
+        depends on none after it (a decoder's)."""
+        return self.pooling_type == "last" and not self.bidirectional
 
     def check(self, params: PoolingParams) -> None:
         """ValueError naming the field a request asks for that this model cannot give."""
@@ -157,17 +167,28 @@ def resolve_task(requested: str, config: ModelConfig, raw_config: dict) -> str:
     return GENERATE
 
 
+def truncated_encoding(
+    tokenizer: PreTrainedTokenizerBase, text: str | tuple[str, str], limit: int | None
+) -> dict[str, list[int]]:
+    """An encoder's text (or text pair) as its tokenizer encodes it, cut to `limit` tokens by the tokenizer when
+    given: it keeps [CLS] and [SEP] and cuts from its own side, as sentence-transformers does (keeping the last
+    tokens, a decoder's truncation, would drop the CLS token an encoder pools and classifies)."""
+    pair = (text,) if isinstance(text, str) else text
+    encoded = tokenizer(*pair, truncation=limit is not None, max_length=limit)
+    return {key: list(encoded[key]) for key in ("input_ids", "token_type_ids") if key in encoded}
+
+
 def _st_modules(folder: Path) -> list[dict]:
     path = folder / "modules.json"
     return json.loads(path.read_text()) if path.is_file() else []
 
 
-def _st_pooling(folder: Path) -> tuple[str, bool]:
-    """The pooling type and normalization of sentence-transformers' modules; without them vLLM's default for a
-    decoder, the last token, normalized."""
+def _st_pooling(folder: Path, default: str) -> tuple[str, bool]:
+    """The pooling type and normalization of sentence-transformers' modules; without them vLLM's default, normalized:
+    `default` (a decoder's last token, an encoder's CLS)."""
     modules = _st_modules(folder)
     if not modules:
-        return "last", True
+        return default, True
     kinds = [module.get("type") for module in modules]
     others = [kind for kind in kinds if kind not in (_ST_TRANSFORMER, _ST_POOLING, _ST_NORMALIZE)]
     if others:
@@ -176,7 +197,7 @@ def _st_pooling(folder: Path) -> tuple[str, bool]:
         )
     pooling = next((module for module in modules if module.get("type") == _ST_POOLING), None)
     if pooling is None:
-        return "last", _ST_NORMALIZE in kinds
+        return default, _ST_NORMALIZE in kinds
     path = folder / pooling.get("path", "") / "config.json"
     settings = json.loads(path.read_text())
     unsupported = [mode for mode in _ST_UNSUPPORTED_MODES if settings.get(mode)]

@@ -32,10 +32,15 @@ class PoolingParams:
 
     def truncated(self, token_ids: list[int], max_model_len: int) -> list[int]:
         """The prompt's last `truncate_prompt_tokens` tokens (-1: `max_model_len` of them); all, without it."""
+        limit = self.truncation_length(max_model_len)
+        return token_ids if limit is None else token_ids[-limit:]
+
+    def truncation_length(self, max_model_len: int) -> int | None:
+        """How many tokens a prompt is cut to (None: it is not cut)."""
         limit = self.truncate_prompt_tokens
         if limit is None:
-            return token_ids
-        return token_ids[-(max_model_len if limit == -1 else min(limit, max_model_len)) :]
+            return None
+        return max_model_len if limit == -1 else min(limit, max_model_len)
 
 
 def _is_int(value: object) -> bool:

@@ -258,7 +258,7 @@ class Scheduler:
                 passed.append(queue.popleft())
                 continue
             seqs = group.live_seqs()
-            if self.num_running_seqs + len(seqs) > self.max_num_seqs:
+            if self.num_running_seqs + len(seqs) > self.max_num_seqs or not self._fits_whole(group, budget):
                 return budget
             mark, copies = len(out.scheduled), len(out.copies)
             hits = [self._open(seq) for seq in seqs]
@@ -276,6 +276,15 @@ class Scheduler:
             self.running.append(group)
             budget -= spent
         return budget
+
+    def _fits_whole(self, group: SequenceGroup, budget: int) -> bool:
+        """Whether the group may start in this step: an encoder's prompt (bidirectional attention: every position
+        depends on the later ones) runs whole or waits for a step with room; any other prompt may be chunked."""
+        seq = group.seqs[0]
+        if seq.pool is None or not seq.pool.pooler.bidirectional:
+            return True
+        room = budget if self._pool_left is None else min(budget, self._pool_left)
+        return seq.num_uncomputed_tokens <= room
 
     def _adapter_fits(self, group: SequenceGroup) -> bool:
         """Whether the group's adapter (if any) is running already or one more fits under max_loras."""

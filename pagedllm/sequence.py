@@ -70,6 +70,7 @@ class Sequence:
     prompt_logprobs: SampleLogprobs | None = None
     grammar: xgr.GrammarMatcher | None = None  # the constraint's state after the tokens generated so far
     pool: PoolState | None = None  # a pooling sequence's vector so far (it runs its prompt only)
+    token_type_ids: list[int] | None = None  # an encoder's token types, one per prompt token (None: all 0)
 
     @property
     def block_salt(self) -> str | None:
@@ -139,10 +140,13 @@ class SequenceFactory:
             prompt_logprobs=[] if params.prompt_logprobs is not None else None,
         )
 
-    def new_pooled(self, request_id: str, token_ids: list[int], pool: PoolState) -> Sequence:
+    def new_pooled(
+        self, request_id: str, token_ids: list[int], pool: PoolState, token_type_ids: list[int] | None = None
+    ) -> Sequence:
         """A pooling request's one sequence: its prompt is run, and pooled into `pool`."""
         seq = self.new(request_id, token_ids, PREFILL_ONLY, 0)
         seq.pool = pool
+        seq.token_type_ids = token_type_ids
         return seq
 
     def fork(self, parent: Sequence, index: int) -> Sequence:

@@ -101,8 +101,9 @@ class LLM:
             firsts = self.embed([q for q, _ in pairs], params, use_tqdm)
             seconds = self.embed([d for _, d in pairs], params, use_tqdm)
             return [cosine_output(str(next(self._ids)), a, b) for a, b in zip(firsts, seconds, strict=True)]
-        tokenizer = self.engine.tokenizer
-        prompts: list[PromptInput] = [pair_prompt(tokenizer, q, d) for q, d in pairs]
+        tokenizer, encoder = self.engine.tokenizer, self.engine.pooler is not None and self.engine.pooler.bidirectional
+        limit = params.truncation_length(self.engine.max_model_len)
+        prompts: list[PromptInput] = [pair_prompt(tokenizer, q, d, encoder, limit) for q, d in pairs]
         return self._run(self._add_all(prompts, [params] * len(prompts), [None] * len(prompts)), use_tqdm)
 
     def add_lora(self, lora_request: LoRARequest) -> bool:

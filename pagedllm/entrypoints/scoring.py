@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedTokenizerBase
 
 from pagedllm.outputs import PoolingOutput, PoolingRequestOutput
-from pagedllm.pooling import Pooler
+from pagedllm.pooling import Pooler, truncated_encoding
 
 
 def score_pairs(queries: str | Seq[str], documents: str | Seq[str]) -> list[tuple[str, str]]:
@@ -26,11 +26,18 @@ def score_pairs(queries: str | Seq[str], documents: str | Seq[str]) -> list[tupl
     return list(zip(firsts, seconds, strict=True))
 
 
-def pair_prompt(tokenizer: PreTrainedTokenizerBase, query: str, document: str) -> dict:
-    """A cross-encoder's prompt: the query and the document as the tokenizer joins a text pair (transformers'
-    and sentence-transformers' CrossEncoder's encoding)."""
-    ids = tokenizer(text=query, text_pair=document)["input_ids"]
-    return {"prompt": None, "prompt_token_ids": list(ids)}
+def pair_prompt(
+    tokenizer: PreTrainedTokenizerBase, query: str, document: str, encoder: bool = False, limit: int | None = None
+) -> dict:
+    """A cross-encoder's prompt: the query and the document as the tokenizer joins a text pair (transformers' and
+    sentence-transformers' CrossEncoder's encoding). An `encoder` also gets the segments' token types where the
+    tokenizer gives them (BERT's 0 then 1; a decoder has no token-type embedding), and with a `limit` the tokenizer
+    cuts the pair to it, keeping the special tokens."""
+    encoded = truncated_encoding(tokenizer, (query, document), limit if encoder else None)
+    prompt = {"prompt": None, "prompt_token_ids": encoded["input_ids"]}
+    if encoder and "token_type_ids" in encoded:
+        prompt["token_type_ids"] = encoded["token_type_ids"]
+    return prompt
 
 
 def with_instruction(pooler: Pooler, text: str, prompt_name: str | None) -> str:

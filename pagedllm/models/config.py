@@ -34,7 +34,11 @@ _HEADLESS = ("Llama", "Mistral", "Qwen2", "Qwen3", "Gemma2", "Gemma3")
 ARCHITECTURES |= {f"{base}Model": ARCHITECTURES[f"{base}ForCausalLM"] for base in _HEADLESS}
 ARCHITECTURES |= {f"{base}ForSequenceClassification": ARCHITECTURES[f"{base}ForCausalLM"] for base in _HEADLESS}
 ARCHITECTURES["Gemma3TextModel"] = "gemma3"
-SUPPORTED_ARCHITECTURES = frozenset(ARCHITECTURES)
+# BERT-style encoders (pagedllm.models.encoder): bidirectional attention over a whole prompt, for pooling only; bare
+# (embeddings) or with their classification heads (cross-encoders).
+ENCODERS = {"BertModel": "bert", "RobertaModel": "roberta", "XLMRobertaModel": "xlm-roberta"}
+ENCODERS |= {name.replace("Model", "ForSequenceClassification"): family for name, family in ENCODERS.items()}
+SUPPORTED_ARCHITECTURES = frozenset(ARCHITECTURES) | frozenset(ENCODERS)
 # `model_type` -> architecture, for a config.json without `architectures`.
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
@@ -46,6 +50,9 @@ _MODEL_TYPES = {
     "phi3": "Phi3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "bert": "BertModel",
+    "roberta": "RobertaModel",
+    "xlm-roberta": "XLMRobertaModel",
 }
 _REFUSED = {
     "Gemma3ForConditionalGeneration": "the multimodal Gemma 3 (vision tower + text) is not supported; "
@@ -70,6 +77,8 @@ _REQUIRED_BY_FAMILY = {
     "mixtral": ("intermediate_size", "num_local_experts", "num_experts_per_tok"),
 }
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
+# An encoder's MLP activation (transformers' names): GELU exact, or its tanh approximation.
+ENCODER_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh")
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -85,6 +94,20 @@ class MoEConfig:
     float32_routing: bool  # Mixtral keeps the routing weights in float32
     layers: tuple[bool, ...]
     checkpoint_prefixes: tuple[str, ...]  # "model.layers.{i}.mlp." etc., the first present wins
+
+
+@dataclass(frozen=True, slots=True)
+class EncoderConfig:
+    """What a BERT-style encoder adds to the shape a decoder shares with it (`ModelConfig`)."""
+
+    layer_norm_eps: float
+    type_vocab_size: int  # token types (BERT: 2, a pair's segments; RoBERTa, XLM-R: 1, all 0)
+    max_positions: int  # position-embedding rows
+    # RoBERTa and XLM-R number positions from pad_token_id + 1 (the pad token's row is its own); BERT from 0.
+    position_offset: int | None  # pad_token_id for those; None for BERT
+    head: str  # a classifier's head: "pooler" (BERT: dense + tanh on CLS, then the classifier), "roberta"
+    # (dense + tanh + out_proj on CLS), "none" (a bare encoder)
+    checkpoint_prefix: str  # what transformers' *ForSequenceClassification puts before the encoder's keys
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +144,7 @@ class ModelConfig:
     num_labels: int = 0  # a *ForSequenceClassification checkpoint's `score` rows; 0: none
     has_lm_head: bool = True  # False for a bare `*Model` or a classifier: their checkpoints hold none
     notes: tuple[str, ...] = field(default=())  # what the loader logs (e.g. a shortened context)
+    encoder: EncoderConfig | None = None  # a BERT-style encoder's options; None for a decoder
 
     @classmethod
     def from_folder(cls, folder: Path) -> ModelConfig:
@@ -153,6 +177,8 @@ def pick_architecture(raw: dict, where: str = "config.json") -> str:
 
 def parse_config(raw: dict, folder: Path, where: str = "config.json") -> ModelConfig:
     architecture = pick_architecture(raw, where)
+    if architecture in ENCODERS:
+        return parse_encoder_config(raw, folder, architecture, where)
     family = ARCHITECTURES[architecture]
     defaults = _DEFAULTS[family]
     raw = dict(raw)
@@ -354,3 +380,65 @@ def _moe(raw: dict, family: str, num_layers: int, intermediate: int) -> MoEConfi
             checkpoint_prefixes=("model.layers.{i}.block_sparse_moe.", "model.layers.{i}.mlp."),
         )
     return None
+
+
+def parse_encoder_config(raw: dict, folder: Path, architecture: str, where: str) -> ModelConfig:
+    """A BERT, RoBERTa or XLM-RoBERTa config as transformers 5 reads it; the decoder-only fields get what an encoder
+    means by them (every layer global, no RoPE, no LM head)."""
+    family = ENCODERS[architecture]
+    for name in _REQUIRED + ("intermediate_size",):
+        if raw.get(name) is None:
+            raise ValueError(f"{where} lacks the field {name!r}, which {architecture} needs")
+    act = raw.get("hidden_act", "gelu")
+    if act not in ENCODER_ACTIVATIONS:
+        raise ValueError(f"{where}: activation {act!r} is not supported for {architecture} ({ENCODER_ACTIVATIONS})")
+    position_type = raw.get("position_embedding_type", "absolute")
+    if position_type != "absolute":
+        raise ValueError(f"{where}: position_embedding_type {position_type!r} is not supported (absolute is)")
+    hidden, heads, num_layers = raw["hidden_size"], raw["num_attention_heads"], raw["num_hidden_layers"]
+    max_positions = raw.get("max_position_embeddings", 512)
+    offset = None if family == "bert" else raw.get("pad_token_id", 1)
+    classifier = architecture.endswith("ForSequenceClassification")
+    encoder = EncoderConfig(
+        layer_norm_eps=raw.get("layer_norm_eps", 1e-12),
+        type_vocab_size=raw.get("type_vocab_size", 2),
+        max_positions=max_positions,
+        position_offset=offset,
+        head=("pooler" if family == "bert" else "roberta") if classifier else "none",
+        checkpoint_prefix="bert." if family == "bert" else "roberta.",
+    )
+    return ModelConfig(
+        folder=folder,
+        architectures=tuple(raw.get("architectures") or (architecture,)),
+        architecture=architecture,
+        family=family,
+        vocab_size=raw["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=raw["intermediate_size"],
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=hidden // heads,
+        rms_norm_eps=encoder.layer_norm_eps,
+        # The positions past the offset are the tokens a prompt may have (XLM-R: 514 rows, 512 tokens).
+        max_position_embeddings=max_positions - (0 if offset is None else offset + 1),
+        tie_word_embeddings=False,
+        attention_bias=True,
+        o_proj_bias=True,
+        mlp_bias=True,
+        hidden_act=act,
+        qk_norm=False,
+        gemma=False,
+        attention_scale=(hidden // heads) ** -0.5,
+        attn_softcap=0.0,
+        final_softcap=0.0,
+        layer_types=(FULL,) * num_layers,
+        sliding_windows=(0,) * num_layers,
+        rope={},
+        rope_local=None,
+        partial_rotary_factor=1.0,
+        moe=None,
+        num_labels=_num_labels(raw) if classifier else 0,
+        has_lm_head=False,
+        encoder=encoder,
+    )

@@ -19,6 +19,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 from pagedllm.distributed.parallel import Shard
 from pagedllm.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from pagedllm.models.decoder import CausalLM, Embedding, Linear
+from pagedllm.models.encoder import Encoder
 from pagedllm.models.lean import LeanLayers
 from pagedllm.models.moe import moe_weights
 from pagedllm.models.prepack import can_prepack
@@ -53,7 +54,7 @@ _FUSED = {
 
 @dataclass(slots=True)
 class LoadedModel:
-    model: CausalLM
+    model: CausalLM | Encoder
     config: ModelConfig
     tokenizer: PreTrainedTokenizerBase
     folder: Path
@@ -96,6 +97,8 @@ def load_model(
     config = ModelConfig.from_folder(folder)
     for note in config.notes:
         logger.warning(note)
+    if config.encoder is not None:
+        return _load_encoder(model, folder, config, dtype, device, world_size, quantization)
     # Parameters start as uninitialised (untouched) memory; the checkpoint's tensors replace them.
     net = CausalLM(config)
     held = _held_quantized(model, folder, net, dequantize, quantization) if quantized_path else {}
@@ -113,6 +116,48 @@ def load_model(
     if quantized_path:
         net.lean = LeanLayers.of(net, dtype)
     return LoadedModel(net, config, tokenizer, folder)
+
+
+def _load_encoder(
+    model: str | Path | None,
+    folder: Path,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: str,
+    world_size: int,
+    quantization: str | None,
+) -> LoadedModel:
+    """A BERT-style encoder from its safetensors folder, whole, in `dtype` (its products are few and small: no
+    quantized path, no sharding)."""
+    refused = [
+        what
+        for what, asked in (
+            ("a GGUF file", _gguf_source(model) is not None),
+            (f"quantization {quantization!r}", quantization is not None),
+            ("tensor parallelism", world_size > 1),
+        )
+        if asked
+    ]
+    if refused:
+        raise ValueError(f"{folder}: {config.architecture} (an encoder) does not run with {refused[0]}")
+    net = Encoder(config)
+    net.load_state_dict(read_encoder_state_dict(folder, net, dtype), assign=True)
+    net = net.to(device).eval().requires_grad_(False)
+    net.prepack()
+    return LoadedModel(net, config, load_tokenizer(folder), folder)
+
+
+def read_encoder_state_dict(folder: Path, net: Encoder, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every parameter of an encoder from its checkpoint, in `dtype`. The encoder's keys may carry the classifier's
+    prefix (`bert.`, `roberta.`) or not, whatever the architecture, as transformers accepts both."""
+    raw = Checkpoint(folder)
+    assert net.config.encoder is not None
+    prefix = net.config.encoder.checkpoint_prefix
+    out: dict[str, torch.Tensor] = {}
+    for name in net.state_dict():
+        keys = [key if key in raw or prefix + key not in raw else prefix + key for key in net.checkpoint_keys(name)]
+        out[name] = torch.cat([raw[key] for key in keys], dim=0).to(dtype)
+    return out
 
 
 def runs_quantized(device: str, world_size: int) -> bool:

@@ -18,7 +18,7 @@ from pagedllm.worker.model_runner import FlatBatch, ModelRunner, pad_tables, slo
 class DraftModel:
     def __init__(self, model: CausalLM, shape: KVShape, num_blocks: int, num_cpu_blocks: int, device: str) -> None:
         self.cache = CacheEngine(shape, num_blocks, num_cpu_blocks, device)
-        self.runner = ModelRunner(model, self.cache.kv_caches, shape.block_size)
+        self.runner = ModelRunner(model, self.cache.kv_caches, shape.block_size, device)
         self.block_size = shape.block_size
 
     def propose(self, scheduled: list[ScheduledSeq]) -> None:

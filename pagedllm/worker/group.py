@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from pagedllm.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
+from pagedllm.config import DEFAULT_KV_CACHE_MEMORY, DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from pagedllm.distributed import parallel
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.loader import resolve_model_folder
@@ -36,9 +36,32 @@ class PoolSize:
     bytes_per_block: int  # of a whole block, every rank's KV heads together (scales included)
 
 
+def step_budget(config: EngineConfig, model_config: ModelConfig) -> int:
+    """Most tokens a step runs. An encoder computes each prompt whole in one step (its attention is bidirectional:
+    no chunked prefill), so, as vLLM does for a model without chunked prefill, its budget is at least its longest
+    prompt by default, and a smaller one asked for is refused."""
+    asked = config.max_num_batched_tokens
+    if model_config.encoder is None:
+        return asked or DEFAULT_MAX_NUM_BATCHED_TOKENS
+    longest = config.max_model_len or model_config.max_position_embeddings
+    if asked is not None and asked < longest:
+        raise ValueError(
+            f"max_num_batched_tokens {asked} is smaller than max_model_len {longest}: {model_config.architecture} is "
+            "an encoder, which computes each prompt whole in one step (no chunked prefill); raise "
+            "max_num_batched_tokens or lower max_model_len"
+        )
+    return asked or max(longest, DEFAULT_MAX_NUM_BATCHED_TOKENS)
+
+
 def pool_size(config: EngineConfig, model_config: ModelConfig, draft_config: ModelConfig | None = None) -> PoolSize:
     """From the options and the model's shape alone, so that every node computes the same pool. A draft model's
-    pool has the same blocks (indexed alike), so a block's bytes are both models' and the memory is shared."""
+    pool has the same blocks (indexed alike), so a block's bytes are both models' and the memory is shared.
+    An encoder caches nothing: its blocks hold no memory, and are only the scheduler's count of a step's tokens
+    (allocated when a prompt is scheduled, freed when it is pooled, in the same step); by default enough for any
+    step, each sequence with a block of headroom."""
+    if model_config.encoder is not None:
+        per_step = -(-step_budget(config, model_config) // config.block_size) + 2 * config.max_num_seqs + 1
+        return PoolSize(config.num_kv_blocks or per_step, 0, 0)
     bytes_per_block = sum(
         KVShape.of(
             shape.num_hidden_layers,

@@ -10,6 +10,7 @@ import torch
 
 from pagedllm.attention import AttentionMetadata, get_backend
 from pagedllm.models.decoder import CausalLM, StepContext
+from pagedllm.models.encoder import Encoder
 from pagedllm.models.lora import LoRABatch
 from pagedllm.sequence import Sequence
 from pagedllm.step import ScheduledSeq
@@ -58,6 +59,7 @@ class FlatBatch:
     prompt: PromptRows | None  # rows scoring prompt tokens, when some sequence asked for them
     pool: PoolRows | None = None  # rows pooled into pooling sequences' vectors
     lora: LoRABatch | None = None  # rows under LoRA adapters, by slot
+    token_type_ids: torch.Tensor | None = None  # [T], an encoder's, when some sequence has them (others: 0)
 
 
 def build_batch(scheduled: list[ScheduledSeq], block_size: int, lora_slots: dict[int, int] | None = None) -> FlatBatch:
@@ -100,7 +102,19 @@ def _flat_batch(scheduled: list[ScheduledSeq], block_size: int) -> FlatBatch:
         logits_index=torch.tensor(logits_rows, dtype=torch.long),
         prompt=_prompt_rows(scheduled, query_start),
         pool=_pool_rows(scheduled, query_start),
+        token_type_ids=_token_types(scheduled),
     )
+
+
+def _token_types(scheduled: list[ScheduledSeq]) -> torch.Tensor | None:
+    if all(item.seq.token_type_ids is None for item in scheduled):
+        return None
+    types: list[int] = []
+    for item in scheduled:
+        given = item.seq.token_type_ids
+        end = item.start + item.num_new_tokens
+        types.extend([0] * item.num_new_tokens if given is None else given[item.start : end])
+    return torch.tensor(types, dtype=torch.long)
 
 
 def _pool_rows(scheduled: list[ScheduledSeq], query_start: np.ndarray) -> PoolRows | None:
@@ -163,11 +177,17 @@ def pad_tables(tables: list[list[int]]) -> torch.Tensor:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int):
+    def __init__(
+        self,
+        model: CausalLM | Encoder,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        block_size: int,
+        device: torch.device | str,
+    ):
         self.model = model
-        self.kv_caches = kv_caches
+        self.kv_caches = kv_caches  # none for an encoder
         self.block_size = block_size
-        self.device = kv_caches[0][0].device
+        self.device = torch.device(device)
         self.attention = get_backend(None, self.device)
 
     @torch.inference_mode()
@@ -188,6 +208,10 @@ class ModelRunner:
         self._forward(batch)
 
     def _forward(self, batch: FlatBatch) -> torch.Tensor:
+        if isinstance(self.model, Encoder):  # whole prompts, attending among themselves: no cache, no metadata
+            types = None if batch.token_type_ids is None else batch.token_type_ids.to(self.device)
+            ids, positions = batch.input_ids.to(self.device), batch.positions.to(self.device)
+            return self.model(ids, positions, types, batch.query_start_loc.tolist())
         metadata = AttentionMetadata.build(
             batch.block_tables, batch.seq_lens, batch.query_start_loc, self.block_size, self.device
         )

@@ -23,6 +23,7 @@ import torch
 from pagedllm.distributed import parallel
 from pagedllm.kv.kv_cache_manager import BlockPair
 from pagedllm.models.decoder import CausalLM
+from pagedllm.models.encoder import Encoder
 from pagedllm.outputs import Logprob
 from pagedllm.sequence import Sequence
 from pagedllm.step import ModelOutput, RowOutput, SampleRow, SchedulerOutput
@@ -34,10 +35,10 @@ from pagedllm.worker.model_runner import FlatBatch, ModelRunner, PoolRows, Promp
 from pagedllm.worker.sampler import Sampler, SamplingRow, token_logprobs, top_logprobs
 from pagedllm.worker.threads import ThreadChooser
 
-# The stages of `Worker.execute`, as errors name them.
 if TYPE_CHECKING:
     import xgrammar as xgr
 
+# The stages of `Worker.execute`, as errors name them.
 PREPARING = "preparing the batch"
 MOVING_BLOCKS = "moving KV blocks (swap, copy-on-write)"
 FORWARD = "the forward pass"
@@ -124,7 +125,7 @@ class StepTimer:
 class Worker:
     def __init__(
         self,
-        model: CausalLM,
+        model: CausalLM | Encoder,
         shape: KVShape,
         num_blocks: int,
         num_cpu_blocks: int,
@@ -142,7 +143,7 @@ class Worker:
         # group at most, but may also run single-process engines beside it, which must not send.)
         self.leads_group = leads_group
         self.cache = CacheEngine(shape, num_blocks, num_cpu_blocks, device)
-        self.runner = ModelRunner(model, self.cache.kv_caches, shape.block_size)
+        self.runner = ModelRunner(model, self.cache.kv_caches, shape.block_size, device)
         self.sampler = Sampler()
         self.eos_ids = eos_ids
         self.draft = draft  # speculative decoding's draft model, which never runs in a tensor-parallel group

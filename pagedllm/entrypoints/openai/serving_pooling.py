@@ -25,7 +25,7 @@ from pagedllm.entrypoints.openai import pooling_protocol as pp
 from pagedllm.entrypoints.openai import serving_common as common
 from pagedllm.entrypoints.scoring import cosine_output, pair_prompt, score_pairs, with_instruction
 from pagedllm.outputs import PoolingRequestOutput
-from pagedllm.pooling import EMBED, SCORE
+from pagedllm.pooling import EMBED, SCORE, truncated_encoding
 from pagedllm.pooling_params import PoolingParams
 
 # A text, token ids, or a cross-encoder's (query, document).
@@ -177,18 +177,22 @@ class OpenAIServingPooling(common.OpenAIServing):
 
     async def _prompts(self, inputs: list[_Input], params: PoolingParams) -> list[dict]:
         """Each input tokenized (the call's texts on one thread: the tokenizer releases the GIL), checked against the
-        vocabulary and the model's length, and cut to its last tokens where `truncate_prompt_tokens` asks."""
+        vocabulary and the model's length, and cut to its last tokens where `truncate_prompt_tokens` asks (an encoder's
+        texts and pairs by its tokenizer)."""
         if params.truncate_prompt_tokens is None:
             for one in inputs:
                 for text in _texts(one.value):
                     self._check_text_fits(text, one.param)
-        tokenizer = self.engine.tokenizer
-        token_ids = await asyncio.to_thread(lambda: [_token_ids(tokenizer, one.value) for one in inputs])
-        limit = self.engine.max_model_len
-        token_ids = [params.truncated(ids, limit) for ids in token_ids]
+        tokenizer, limit = self.engine.tokenizer, self.engine.max_model_len
+        # An encoder's texts are cut by its tokenizer (keeping its CLS token), as the engine cuts them.
+        encoder = self.engine.pooler.bidirectional
+        cut = params.truncation_length(limit) if encoder else None
+        values = [one.value for one in inputs]
+        encoded = await asyncio.to_thread(lambda: [_encoded_input(tokenizer, value, encoder, cut) for value in values])
         vocab = len(tokenizer)
         prompts = []
-        for one, ids in zip(inputs, token_ids, strict=True):
+        for one, encoding in zip(inputs, encoded, strict=True):
+            ids = params.truncated(encoding["input_ids"], limit)
             outside = next((token for token in ids if token >= vocab), None)
             if outside is not None:
                 raise common.ApiError(
@@ -200,7 +204,10 @@ class OpenAIServingPooling(common.OpenAIServing):
                     "last tokens instead)"
                 )
                 raise common.ApiError(400, message, param=one.param)
-            prompts.append({"prompt": one.value if isinstance(one.value, str) else None, "prompt_token_ids": ids})
+            prompt = {"prompt": one.value if isinstance(one.value, str) else None, "prompt_token_ids": ids}
+            if "token_type_ids" in encoding:
+                prompt["token_type_ids"] = params.truncated(encoding["token_type_ids"], limit)
+            prompts.append(prompt)
         return prompts
 
 
@@ -226,12 +233,18 @@ def _input(param: str, value: str | list[int]) -> _Input:
     return _Input(param, value)
 
 
-def _token_ids(tokenizer: PreTrainedTokenizerBase, value: Value) -> list[int]:
-    if isinstance(value, str):
-        return tokenizer.encode(value)
+def _encoded_input(
+    tokenizer: PreTrainedTokenizerBase, value: Value, encoder: bool, limit: int | None
+) -> dict[str, list[int]]:
+    """An input's token ids, and an encoder's token types: its text or text pair as its tokenizer encodes it, cut to
+    `limit` there (keeping its CLS token)."""
+    if encoder and not isinstance(value, list):
+        return truncated_encoding(tokenizer, value, limit)
     if isinstance(value, tuple):
-        return pair_prompt(tokenizer, *value)["prompt_token_ids"]
-    return list(value)
+        return {"input_ids": pair_prompt(tokenizer, *value)["prompt_token_ids"]}
+    if isinstance(value, str):
+        return {"input_ids": tokenizer.encode(value)}
+    return {"input_ids": list(value)}
 
 
 def _texts(value: Value) -> tuple[str, ...]:
