@@ -25,6 +25,8 @@ from pagedllm import LLM, SamplingParams
 llm = LLM(num_kv_blocks=16)
 out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
 assert out[0].outputs[0].token_ids
+from pagedllm.models.loader import load_tokenizer
+load_tokenizer(str(llm.engine.loaded.folder))  # as the server's process reads it, by the folder's name
 print(json.dumps(sorted(sys.modules)))
 """
 

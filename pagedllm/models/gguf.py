@@ -152,10 +152,10 @@ def quantized_weights(gguf_path: Path, lean_folder: Path) -> dict[str, Quantized
     return out
 
 
-def is_converted(folder: Path) -> bool:
+def is_converted(folder: StrPath) -> bool:
     """Whether `folder` is a GGUF file's conversion, as its manifest records."""
     try:
-        return "converter_version" in json.loads((folder / COMPLETE_MARKER).read_text())["record"]
+        return "converter_version" in json.loads((Path(folder) / COMPLETE_MARKER).read_text())["record"]
     except (OSError, ValueError, KeyError, TypeError):
         return False
 

@@ -391,7 +391,7 @@ class Checkpoint(Mapping[str, torch.Tensor]):
         return len(self._where)
 
 
-def load_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
+def load_tokenizer(folder: str | Path) -> PreTrainedTokenizerBase:
     """The tokenizer of `folder`. A GGUF file's conversion holds the `PreTrainedTokenizerFast` that `gguf.py`
     built, and is read back as one: `AutoTokenizer` would first build the model's config, which imports
     transformers' model code (over a second of every start)."""
