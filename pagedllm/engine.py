@@ -324,24 +324,27 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         if limit is not None and text is not None and self.pooler is not None and self.pooler.bidirectional:
             encoded = truncated_encoding(self.tokenizer, text, limit)
-            return text, encoded["input_ids"], encoded.get("token_type_ids")
+            return text, encoded["input_ids"], self._token_types(encoded.get("token_type_ids"), encoded["input_ids"])
         # A prompt to truncate may be as long as it likes: the text bound does not refuse it.
         text, token_ids = tokenize_prompt(self.tokenizer, prompt) if limit is not None else self.tokenize(prompt)
-        types = prompt.get("token_type_ids") if isinstance(prompt, dict) else None
-        if types is not None:
-            self._check_token_types(list(types), len(token_ids))
-            types = params.truncated(list(types), self.max_model_len)
+        types = self._token_types(prompt.get("token_type_ids") if isinstance(prompt, dict) else None, token_ids)
+        types = None if types is None else params.truncated(types, self.max_model_len)
         return text, params.truncated(token_ids, self.max_model_len), types
 
-    def _check_token_types(self, types: list[int], num_tokens: int) -> None:
+    def _token_types(self, types: list[int] | None, token_ids: list[int]) -> list[int] | None:
+        """A prompt's token types, checked against the model's token-type embedding; dropped where an encoder has
+        none (ModernBERT, as transformers' takes none), refused for a decoder."""
         encoder = self.loaded.config.encoder
+        if types is None or (encoder is not None and encoder.type_vocab_size == 0):
+            return None
         if encoder is None:
             raise ValueError(f"token_type_ids: {self.loaded.config.architecture} has no token-type embedding")
-        if len(types) != num_tokens:
-            raise ValueError(f"token_type_ids has {len(types)} entries for {num_tokens} tokens")
+        if len(types) != len(token_ids):
+            raise ValueError(f"token_type_ids has {len(types)} entries for {len(token_ids)} tokens")
         outside = next((t for t in types if not 0 <= t < encoder.type_vocab_size), None)
         if outside is not None:
             raise ValueError(f"token_type_ids: {outside} is outside [0, {encoder.type_vocab_size})")
+        return list(types)
 
     # ---- LoRA adapters (vLLM's names) ----------------------------------------------------------
 

@@ -74,8 +74,9 @@ class Pooler:
         if task == SCORE:
             head, labels = _score_head(config, raw_config, vocab)
             size = config.num_labels if head == "score" else 1
-            # A decoder's classifier reads the last token's hidden state, an encoder's the CLS token's.
-            pooling = "cls" if encoder else "last"
+            # A decoder's classifier reads the last token's hidden state, an encoder's the CLS token's (or with
+            # ModernBERT's classifier_pooling "mean", the mean of every token's).
+            pooling = config.encoder.classifier_pooling if config.encoder is not None else "last"
             return cls(SCORE, pooling, False, size, None, head, labels, prompts, default_prompt, encoder)
         pooling_type, normalize = _st_pooling(folder, "cls" if encoder else "last")
         matryoshka = _matryoshka(raw_config)
@@ -130,7 +131,8 @@ class PoolState:
         cut to `dimensions` and normalized as asked."""
         assert self.total is not None, "a pooling sequence finished before any of its rows was pooled"
         pooler, params = self.pooler, self.params
-        vector = self.total / num_tokens if pooler.pooling_type == "mean" else self.total
+        # A head's part is its logits already (an encoder's mean-pooling classifier read the mean row).
+        vector = self.total / num_tokens if pooler.pooling_type == "mean" and pooler.head == "none" else self.total
         if pooler.task == SCORE:
             return torch.sigmoid(vector) if len(vector) == 1 else torch.softmax(vector, -1)
         if params.dimensions is not None:

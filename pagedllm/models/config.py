@@ -36,7 +36,12 @@ ARCHITECTURES |= {f"{base}ForSequenceClassification": ARCHITECTURES[f"{base}ForC
 ARCHITECTURES["Gemma3TextModel"] = "gemma3"
 # BERT-style encoders (pagedllm.models.encoder): bidirectional attention over a whole prompt, for pooling only; bare
 # (embeddings) or with their classification heads (cross-encoders).
-ENCODERS = {"BertModel": "bert", "RobertaModel": "roberta", "XLMRobertaModel": "xlm-roberta"}
+ENCODERS = {
+    "BertModel": "bert",
+    "RobertaModel": "roberta",
+    "XLMRobertaModel": "xlm-roberta",
+    "ModernBertModel": "modernbert",
+}
 ENCODERS |= {name.replace("Model", "ForSequenceClassification"): family for name, family in ENCODERS.items()}
 SUPPORTED_ARCHITECTURES = frozenset(ARCHITECTURES) | frozenset(ENCODERS)
 # `model_type` -> architecture, for a config.json without `architectures`.
@@ -53,6 +58,7 @@ _MODEL_TYPES = {
     "bert": "BertModel",
     "roberta": "RobertaModel",
     "xlm-roberta": "XLMRobertaModel",
+    "modernbert": "ModernBertModel",
 }
 _REFUSED = {
     "Gemma3ForConditionalGeneration": "the multimodal Gemma 3 (vision tower + text) is not supported; "
@@ -101,13 +107,21 @@ class EncoderConfig:
     """What a BERT-style encoder adds to the shape a decoder shares with it (`ModelConfig`)."""
 
     layer_norm_eps: float
-    type_vocab_size: int  # token types (BERT: 2, a pair's segments; RoBERTa, XLM-R: 1, all 0)
+    # Token types (BERT: 2, a pair's segments; RoBERTa, XLM-R: 1, all 0; ModernBERT: 0, it takes none).
+    type_vocab_size: int
     max_positions: int  # position-embedding rows
     # RoBERTa and XLM-R number positions from pad_token_id + 1 (the pad token's row is its own); BERT from 0.
     position_offset: int | None  # pad_token_id for those; None for BERT
     head: str  # a classifier's head: "pooler" (BERT: dense + tanh on CLS, then the classifier), "roberta"
-    # (dense + tanh + out_proj on CLS), "none" (a bare encoder)
+    # (dense + tanh + out_proj on CLS), "modernbert" (dense, activation, norm), "none" (a bare encoder)
     checkpoint_prefix: str  # what transformers' *ForSequenceClassification puts before the encoder's keys
+    # ModernBERT: pre-LN layers with RoPE (`rope` / `rope_local` of the ModelConfig), GeGLU MLPs, sliding layers
+    # seeing `sliding_windows[i]` positions either side, LayerNorms with bias where `norm_bias`.
+    modern: bool = False
+    norm_bias: bool = True
+    classifier_pooling: str = "cls"  # the row(s) a classifier reads: "cls" or "mean" (ModernBERT's option)
+    classifier_act: str = "gelu"  # ModernBERT's head: its activation, and whether its dense has a bias
+    classifier_bias: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -386,6 +400,8 @@ def parse_encoder_config(raw: dict, folder: Path, architecture: str, where: str)
     """A BERT, RoBERTa or XLM-RoBERTa config as transformers 5 reads it; the decoder-only fields get what an encoder
     means by them (every layer global, no RoPE, no LM head)."""
     family = ENCODERS[architecture]
+    if family == "modernbert":
+        return _modernbert_config(raw, folder, architecture, where)
     for name in _REQUIRED + ("intermediate_size",):
         if raw.get(name) is None:
             raise ValueError(f"{where} lacks the field {name!r}, which {architecture} needs")
@@ -436,6 +452,84 @@ def parse_encoder_config(raw: dict, folder: Path, architecture: str, where: str)
         sliding_windows=(0,) * num_layers,
         rope={},
         rope_local=None,
+        partial_rotary_factor=1.0,
+        moe=None,
+        num_labels=_num_labels(raw) if classifier else 0,
+        has_lm_head=False,
+        encoder=encoder,
+    )
+
+
+def _modernbert_config(raw: dict, folder: Path, architecture: str, where: str) -> ModelConfig:
+    """ModernBERT as transformers 5 reads it: every `global_attn_every_n_layers`-th layer global (RoPE theta
+    `global_rope_theta`), the others sliding over `local_attention // 2` positions either side (`local_rope_theta`),
+    unless `layer_types` and `rope_parameters` say so themselves."""
+    for name in _REQUIRED + ("intermediate_size",):
+        if raw.get(name) is None:
+            raise ValueError(f"{where} lacks the field {name!r}, which {architecture} needs")
+    hidden, heads, num_layers = raw["hidden_size"], raw["num_attention_heads"], raw["num_hidden_layers"]
+    every = raw.get("global_attn_every_n_layers") or 3
+    types = tuple(raw.get("layer_types") or [FULL if i % every == 0 else SLIDING for i in range(num_layers)])
+    params = raw.get("rope_parameters") or {}
+    thetas = {FULL: raw.get("global_rope_theta") or 160000.0, SLIDING: raw.get("local_rope_theta") or 10000.0}
+    ropes = {
+        kind: dict(params.get(kind) or {"rope_type": "default", "rope_theta": theta}) for kind, theta in thetas.items()
+    }
+    acts = {name: raw.get(name, "gelu") for name in ("hidden_activation", "classifier_activation")}
+    refused = [
+        f"rope_type {rope.get('rope_type')!r}"
+        for rope in ropes.values()
+        if rope.get("rope_type", "default") != "default"
+    ]
+    refused += [f"{name} {act!r}" for name, act in acts.items() if act not in ENCODER_ACTIVATIONS]
+    if raw.get("classifier_pooling", "cls") not in ("cls", "mean"):
+        refused.append(f"classifier_pooling {raw['classifier_pooling']!r}")
+    if refused:
+        raise ValueError(f"{where}: {refused[0]} is not supported for {architecture}")
+    classifier = architecture.endswith("ForSequenceClassification")
+    eps = raw.get("norm_eps", 1e-5)
+    encoder = EncoderConfig(
+        layer_norm_eps=eps,
+        type_vocab_size=0,
+        max_positions=0,
+        position_offset=None,
+        head="modernbert" if classifier else "none",
+        checkpoint_prefix="model.",
+        modern=True,
+        norm_bias=bool(raw.get("norm_bias", False)),
+        classifier_pooling=raw.get("classifier_pooling", "cls"),
+        classifier_act=acts["classifier_activation"],
+        classifier_bias=bool(raw.get("classifier_bias", False)),
+    )
+    bias = bool(raw.get("attention_bias", False))
+    return ModelConfig(
+        folder=folder,
+        architectures=tuple(raw.get("architectures") or (architecture,)),
+        architecture=architecture,
+        family="modernbert",
+        vocab_size=raw["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=raw["intermediate_size"],
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=hidden // heads,
+        rms_norm_eps=eps,
+        max_position_embeddings=raw.get("max_position_embeddings", 8192),
+        tie_word_embeddings=False,
+        attention_bias=bias,
+        o_proj_bias=bias,
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+        hidden_act=acts["hidden_activation"],
+        qk_norm=False,
+        gemma=False,
+        attention_scale=(hidden // heads) ** -0.5,
+        attn_softcap=0.0,
+        final_softcap=0.0,
+        layer_types=types,
+        sliding_windows=tuple(raw.get("local_attention", 128) // 2 if t == SLIDING else 0 for t in types),
+        rope=ropes[FULL],
+        rope_local=ropes[SLIDING],
         partial_rotary_factor=1.0,
         moe=None,
         num_labels=_num_labels(raw) if classifier else 0,

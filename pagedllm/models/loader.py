@@ -19,7 +19,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 from pagedllm.distributed.parallel import Shard
 from pagedllm.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from pagedllm.models.decoder import CausalLM, Embedding, Linear
-from pagedllm.models.encoder import Encoder
+from pagedllm.models.encoder import Encoder, encoder_of
 from pagedllm.models.lean import LeanLayers
 from pagedllm.models.moe import moe_weights
 from pagedllm.models.prepack import can_prepack
@@ -140,7 +140,7 @@ def _load_encoder(
     ]
     if refused:
         raise ValueError(f"{folder}: {config.architecture} (an encoder) does not run with {refused[0]}")
-    net = Encoder(config)
+    net = encoder_of(config)
     net.load_state_dict(read_encoder_state_dict(folder, net, dtype), assign=True)
     net = net.to(device).eval().requires_grad_(False)
     net.prepack()

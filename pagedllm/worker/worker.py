@@ -256,7 +256,8 @@ class Worker:
 
     def _pooled(self, hidden: torch.Tensor, pool: PoolRows) -> list[tuple[Sequence, torch.Tensor]]:
         """Each pooling sequence's part of its vector from this step's rows, on the CPU; a score engine's head
-        reads the last row of a completed prompt (its pooling is last-token: no other row is pooled)."""
+        reads the last row of a completed prompt (its pooling is last-token or CLS: no other row is pooled), or an
+        encoder's mean row."""
         parts: list[tuple[Sequence, torch.Tensor]] = []
         at = 0
         model = self.runner.model
@@ -265,7 +266,11 @@ class Worker:
             at += count
             pooler = seq.pool.pooler
             if pooler.head == "score" and completes:
-                part = model.classify(rows[-1:])[0]
+                # A mean-pooling classifier is an encoder's, whose whole prompt is this step's rows.
+                pooled = (
+                    rows.float().mean(0, keepdim=True).to(rows.dtype) if pooler.pooling_type == "mean" else rows[-1:]
+                )
+                part = model.classify(pooled)[0]
             elif pooler.head == "tokens" and completes:
                 no, yes = model.compute_logits(rows[-1:])[0, list(pooler.label_token_ids)]
                 part = (yes - no).reshape(1)
