@@ -52,7 +52,7 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
 
 
-class EncoderLayer(nn.Module):
+class BertLayer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
@@ -143,8 +143,8 @@ class BertEncoder(Encoder):
         self.embed_positions = Embedding(options.max_positions, hidden)
         self.embed_types = Embedding(options.type_vocab_size, hidden)
         self.embed_norm = LayerNorm(hidden, options.layer_norm_eps)
-        self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.num_hidden_layers))
-        self.head = options.head
+        self.layers = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
+        self.head_kind = options.head
         # BERT's classifier reads its pooler (dense + tanh on CLS); RoBERTa's head has its own dense + tanh.
         self.pooler = Linear(hidden, hidden, bias=True) if options.head == "pooler" else None
         self.classifier_dense = Linear(hidden, hidden, bias=True) if options.head == "roberta" else None
@@ -191,7 +191,7 @@ class BertEncoder(Encoder):
             _, index, part = module.split(".")
             return [f"encoder.layer.{index}.{key}.{leaf}" for key in _LAYER_KEYS[part]]
         if module == "classifier":  # BERT's is one matrix; RoBERTa's is `out_proj`, after its dense
-            return [f"classifier.out_proj.{leaf}" if self.head == "roberta" else f"classifier.{leaf}"]
+            return [f"classifier.out_proj.{leaf}" if self.head_kind == "roberta" else f"classifier.{leaf}"]
         return [f"{_EMBEDDING_KEYS[module]}.{leaf}"]
 
 
@@ -216,7 +216,9 @@ class ModernBertLayer(nn.Module):
         self.mlp.Wo = Linear(config.intermediate_size, hidden, bias=config.mlp_bias)
         self.approximate = "none" if config.hidden_act == "gelu" else "tanh"
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], spans: list[tuple[int, int]]):
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], spans: list[tuple[int, int]]
+    ) -> torch.Tensor:
         normed = x if self.attn_norm is None else self.attn_norm(x)
         h = x + self.attn.Wo(self._attend(self.attn.Wqkv(normed), rope, spans))
         gate_in, gate = self.mlp.Wi(self.mlp_norm(h)).chunk(2, dim=-1)
