@@ -321,8 +321,8 @@ class LLMEngine:
         segments; None: all 0), cut as `truncate_prompt_tokens` asks: an encoder's text by its tokenizer, which
         keeps its CLS token; token ids to their last tokens."""
         limit = params.truncation_length(self.max_model_len)
-        text = prompt if isinstance(prompt, str) else None
-        if limit is not None and text is not None and self.pooler is not None and self.pooler.bidirectional:
+        text = prompt.get("prompt") if isinstance(prompt, dict) and "prompt_token_ids" not in prompt else prompt
+        if limit is not None and isinstance(text, str) and self.pooler is not None and self.pooler.bidirectional:
             encoded = truncated_encoding(self.tokenizer, text, limit)
             return text, encoded["input_ids"], self._token_types(encoded.get("token_type_ids"), encoded["input_ids"])
         # A prompt to truncate may be as long as it likes: the text bound does not refuse it.

@@ -144,6 +144,8 @@ def test_a_prompt_past_the_positions_is_refused_or_cut_by_the_tokenizer(bert_mea
     assert cosines(cut.outputs.data, want) >= EXACT
     short = llm.embed([long], PoolingParams(truncate_prompt_tokens=12), use_tqdm=False)[0]
     assert short.prompt_token_ids == llm.engine.tokenizer(long, truncation=True, max_length=12)["input_ids"]
+    as_dict = llm.embed([{"prompt": long}], PoolingParams(truncate_prompt_tokens=12), use_tqdm=False)[0]
+    assert as_dict.prompt_token_ids == short.prompt_token_ids
 
 
 def test_modernbert_reads_the_hub_configs_layer_pattern(tmp_path):
