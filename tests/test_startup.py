@@ -10,13 +10,16 @@ import sys
 
 from pagedllm.models.loader import resolve_model_folder
 
-# Imported only by a constrained request, a Ray backend, a plot; transformers' Llama classes only by a conversion.
+# Imported only by a constrained request, a Ray backend, a plot, a benchmark's client (httpx brings rich); transformers'
+# Llama classes only by a conversion, its auto classes only by a folder that is not a conversion.
 NOT_AT_START = (
     "xgrammar",
+    "httpx",
     "ray",
     "matplotlib",
     "transformers.models.llama.modeling_llama",
     "transformers.models.llama.configuration_llama",
+    "transformers.models.auto.tokenization_auto",
 )
 
 CHILD = """

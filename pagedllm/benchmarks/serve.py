@@ -22,11 +22,14 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import httpx
 import numpy as np
 
 from pagedllm.domains import NON_NEGATIVE_INTS, POSITIVE_INTS, SEEDS, FilePaths, Reals, Texts, Urls
+
+if TYPE_CHECKING:
+    import httpx  # imported where a benchmark runs: every command's start imports this module
 
 _TIMEOUT_S = 6 * 3600  # as vLLM: a saturated server may take long, and the benchmark measures it, not us
 # Synthetic prompts draw words from this text: no dataset to download, and any tokenizer reads them.
@@ -127,6 +130,8 @@ async def run_benchmark(config: BenchConfig) -> dict:
     prompts = [" ".join(rng.choices(words, k=config.input_len)) for _ in range(config.num_prompts)]
     # Drawn after the measured prompts: the same seed measures the same requests with or without warm-ups.
     warmups = [" ".join(rng.choices(words, k=config.input_len)) for _ in range(config.num_warmups)]
+    import httpx
+
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(
@@ -190,6 +195,8 @@ def _payload(config: BenchConfig, model: str, prompt: str) -> dict:
 
 
 async def send_request(client: httpx.AsyncClient, payload: dict) -> RequestResult:
+    import httpx
+
     result = RequestResult()
     started = last = time.perf_counter()
     try:

@@ -36,9 +36,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -59,6 +58,9 @@ from pagedllm.domains import (
 )
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import httpx  # imported where a benchmark runs: every command's start imports this module
 
 # The gauges that must read 0 once the server has settled: a request or block that stays is a leak.
 RUNNING = "pagedllm:num_requests_running"
@@ -320,6 +322,8 @@ async def run_soak(config: SoakConfig, reference: Reference) -> SoakResult:
         raise ValueError("--requests and --concurrency must be at least 1")
     if config.check_answers < 0:
         raise ValueError("--check-answers must be at least 0")
+    import httpx
+
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(
@@ -436,6 +440,8 @@ async def run_mix(client: httpx.AsyncClient, config: SoakConfig, specs: list[Req
 
 
 async def _send(client: httpx.AsyncClient, config: SoakConfig, spec: RequestSpec) -> RequestOutcome:
+    import httpx
+
     started = time.perf_counter()
     try:
         if spec.behaviour is Behaviour.LEAVE_BEFORE_FIRST_TOKEN:
@@ -455,6 +461,8 @@ async def _whole(client: httpx.AsyncClient, spec: RequestSpec, started: float) -
 
 
 async def _impatient(client: httpx.AsyncClient, spec: RequestSpec, timeout_s: float, started: float) -> RequestOutcome:
+    import httpx
+
     try:
         response = await client.post(spec.path, json=spec.body, timeout=timeout_s)
     except httpx.TimeoutException:  # httpx closes the connection, which the server sees as a disconnect

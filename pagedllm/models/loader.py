@@ -14,7 +14,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 from safetensors import safe_open
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from pagedllm.distributed.parallel import Shard
 from pagedllm.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
@@ -399,4 +399,6 @@ def load_tokenizer(folder: str | Path) -> PreTrainedTokenizerBase:
 
     if is_converted(folder):
         return PreTrainedTokenizerFast.from_pretrained(folder)
+    from transformers import AutoTokenizer  # its auto mappings are a few tenths of a second to import
+
     return AutoTokenizer.from_pretrained(folder)
