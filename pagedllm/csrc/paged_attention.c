@@ -252,7 +252,7 @@ static inline __attribute__((always_inline)) void cursor_next(Cursor *c, int64_t
  * model), which the prefetcher streams once it has seen its start: while one KV head of a chunk is
  * computed, ask for the first row of the same KV head's rows in the next two chunks, into L2 (locality 1).
  * Asking for whole runs instead was 4-10% slower on a cold 111 x 290 decode on two threads (AVX2 kind),
- * asking for none 2-4% slower (docs/PERFORMANCE.md, "Decode attention reads a block head by head"). An int8
+ * asking for none 2-4% slower (docs/PERFORMANCE.md, "Decode attention"). An int8
  * cache's runs are a quarter as long (1 KB), too short for the prefetcher to get going: those are asked for
  * whole (cold int8 decode 14% faster on the AVX2 kind). */
 static inline void prefetch_first_row(const Batch *b, const int64_t rows[CHUNK], int64_t kv_offset,

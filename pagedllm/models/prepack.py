@@ -13,7 +13,7 @@ import torch
 # entries each by default. A server meets steps of every size, so those caches grew its heap by ~500 MiB
 # over a soak. Capped here, before the process runs its first oneDNN operator (a value already in the
 # environment wins): re-creating a primitive costs ~0.5 ms, a step uses five shapes, and 64 entries keep
-# the last dozen step sizes; offline throughput was the same as with 1024 (docs/PERFORMANCE.md).
+# the last dozen step sizes; offline throughput was the same as with 1024 (docs/RELIABILITY.md).
 PRIMITIVE_CACHE_CAPACITY = 64
 for _variable in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
     os.environ.setdefault(_variable, str(PRIMITIVE_CACHE_CAPACITY))
