@@ -89,3 +89,21 @@ def test_warmups_run_first_and_are_not_measured(server, tmp_path):
     assert report["completed"] == NUM_PROMPTS and report["total_output_tokens"] == NUM_PROMPTS * MAX_TOKENS
     generated = server.metric("pagedllm:generation_tokens_total") - before
     assert generated == (NUM_PROMPTS + 4) * MAX_TOKENS  # the server did serve the warm-ups
+
+
+def test_cold_measures_the_same_burst_again_warm_and_their_ratio(server, tmp_path, capsys):
+    before = server.metric("pagedllm:generation_tokens_total")
+    returncode, report = bench(server, tmp_path, "--cold")
+    assert returncode == 0 and report["cold"]
+    warm = report["warm"]
+    assert report["completed"] == warm["completed"] == NUM_PROMPTS
+    assert report["total_output_tokens"] == warm["total_output_tokens"] == NUM_PROMPTS * MAX_TOKENS
+    assert report["cold_over_warm"] == pytest.approx(report["output_throughput"] / warm["output_throughput"])
+    assert server.metric("pagedllm:generation_tokens_total") - before == 2 * NUM_PROMPTS * MAX_TOKENS
+    assert "Cold over warm:" in capsys.readouterr().out
+
+
+def test_cold_takes_no_warmups(server, tmp_path, capsys):
+    argv = ["bench", "serve", "--base-url", server.url, "--cold", "--num-warmups", "2"]
+    assert main(argv) == 2
+    assert "--cold measures a server's first requests" in capsys.readouterr().err

@@ -7,6 +7,10 @@ ITL the gaps between later text chunks; TPOT per request is (e2e - TTFT) / (outp
 requests with more than one token; e2e ends at the last text chunk. Output tokens are the server's own
 count (`usage.completion_tokens`, asked for with `stream_options.include_usage`). `--json` also keeps
 every request's TTFT and TPOT (`ttfts_s`, `tpots_s`, seconds) and plots their CDFs beside the file.
+
+`--cold` is for a server just started, sent nothing yet: its first burst is measured, then a second burst of as many
+new prompts (drawn after the first's, so no prefix is shared with them), and the report gives the first burst's
+figures, the second's under `warm`, and `cold_over_warm`, the first's output throughput over the second's.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ class BenchConfig:
     seed: int = 0
     api_key: str | None = None
     num_warmups: int = 0  # requests sent all at once, and waited for, before the measured ones
+    cold: bool = False  # measure a second burst after the first, the server then warm
 
 
 @dataclass(slots=True)
@@ -88,6 +93,11 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
         help="requests sent at once and finished before measuring (as vLLM's)",
         **NON_NEGATIVE_INTS.flag_kwargs(),
     )
+    parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="the server has just started: measure its first burst, then the same burst again, warm, and their ratio",
+    )
     # An empty OPENAI_API_KEY is no key (argparse checks a default given as text against the domain too).
     parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY") or None, **Texts().flag_kwargs())
     parser.add_argument(
@@ -110,7 +120,10 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         seed=args.seed,
         api_key=args.api_key,
         num_warmups=args.num_warmups,
+        cold=args.cold,
     )
+    if args.cold and args.num_warmups:
+        raise ValueError("--cold measures a server's first requests: it takes no --num-warmups")
     report = asyncio.run(run_benchmark(config))
     print(format_report(report))
     if args.json is not None:
@@ -130,6 +143,7 @@ async def run_benchmark(config: BenchConfig) -> dict:
     prompts = [" ".join(rng.choices(words, k=config.input_len)) for _ in range(config.num_prompts)]
     # Drawn after the measured prompts: the same seed measures the same requests with or without warm-ups.
     warmups = [" ".join(rng.choices(words, k=config.input_len)) for _ in range(config.num_warmups)]
+    again = [" ".join(rng.choices(words, k=config.input_len)) for _ in range(config.num_prompts if config.cold else 0)]
     import httpx
 
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
@@ -141,10 +155,11 @@ async def run_benchmark(config: BenchConfig) -> dict:
         payloads = [_payload(config, model, prompt) for prompt in prompts]
         if warmups:
             await _send_all(client, [_payload(config, model, prompt) for prompt in warmups], [0.0] * len(warmups))
-        started = time.perf_counter()
-        results = await _send_all(client, payloads, poisson_offsets(len(payloads), config.request_rate, rng))
-        duration = time.perf_counter() - started
-    return summarize(results, duration) | {
+        report = await _burst(client, payloads, config.request_rate, rng)
+        if again:
+            warm = await _burst(client, [_payload(config, model, prompt) for prompt in again], config.request_rate, rng)
+            report |= {"warm": warm, "cold_over_warm": report["output_throughput"] / warm["output_throughput"]}
+    return report | {
         "model": model,
         "base_url": config.base_url,
         "num_prompts": config.num_prompts,
@@ -152,7 +167,14 @@ async def run_benchmark(config: BenchConfig) -> dict:
         "input_len_words": config.input_len,
         "max_tokens": config.max_tokens,
         "num_warmups": config.num_warmups,
+        "cold": config.cold,
     }
+
+
+async def _burst(client: httpx.AsyncClient, payloads: list[dict], rate: float, rng: random.Random) -> dict:
+    started = time.perf_counter()
+    results = await _send_all(client, payloads, poisson_offsets(len(payloads), rate, rng))
+    return summarize(results, time.perf_counter() - started)
 
 
 async def _first_model(client: httpx.AsyncClient) -> str:
@@ -291,6 +313,10 @@ def format_report(report: dict) -> str:
         lines.append("{s:{c}^50}".format(s=f" {title} ", c="-"))
         lines += [_row(f"{stat.title()} {short} (ms):", report[f"{stat}_{key}_ms"]) for stat in ("mean", "median")]
         lines.append(_row(f"P99 {short} (ms):", report[f"p99_{key}_ms"]))
+    if "warm" in report:
+        lines.append("{s:{c}^50}".format(s=" The same burst again, warm ", c="-"))
+        lines.append(_row("Output token throughput (tok/s):", report["warm"]["output_throughput"]))
+        lines.append(_row("Cold over warm:", report["cold_over_warm"]))
     lines.append("=" * 50)
     return "\n".join(lines)
 
