@@ -29,6 +29,7 @@ from pagedllm.config import (
 )
 from pagedllm.domains import INT32_MAX, POSITIVE_INTS, SEEDS, Integers, Reals, Texts
 from pagedllm.entrypoints.llm import LLM, Message
+from pagedllm.heap import freeze_long_lived
 from pagedllm.sampling_params import MAX_TEMPERATURE, MIN_REPETITION_PENALTY, MIN_TOP_P, SamplingParams
 
 
@@ -59,7 +60,9 @@ class SamplingFlags:
 
 
 def build_llm(args: argparse.Namespace) -> LLM:
-    return LLM(**option_values(EngineConfig, args))
+    llm = LLM(**option_values(EngineConfig, args))
+    freeze_long_lived()
+    return llm
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:

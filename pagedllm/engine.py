@@ -21,6 +21,7 @@ from transformers import PreTrainedTokenizerBase
 
 from pagedllm.beam_search import BeamSearchParams, BeamState
 from pagedllm.config import EngineConfig
+from pagedllm.heap import collection_paused
 from pagedllm.kv.events import KVEventFile, KVEventSink
 from pagedllm.kv.kv_cache_manager import KVCacheManager
 from pagedllm.lora_request import LoRARequest
@@ -96,6 +97,7 @@ class CoreStep:
 
 
 class LLMEngine:
+    @collection_paused()  # the model's load: see pagedllm/heap.py
     def __init__(self, config: EngineConfig, *, process_outputs: bool = True) -> None:
         """`process_outputs=False` makes an engine core only: it steps with `step_core` and its caller processes
         the deltas (the server's process does, holding its own `OutputProcessor`)."""

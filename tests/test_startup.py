@@ -41,3 +41,19 @@ def test_a_start_imports_only_what_generation_needs() -> None:
     loaded = set(json.loads(child.stdout.splitlines()[-1]))
     assert "transformers" in loaded  # the tokenizer is transformers'
     assert not [name for name in NOT_AT_START if name in loaded]
+
+
+def test_the_collector_is_paused_for_the_imports_only() -> None:
+    """A library caller's collector is as the caller left it once pagedllm is imported and an engine built."""
+    child = (
+        "import gc, sys\n"
+        "if sys.argv[1] == 'off': gc.disable()\n"
+        "from pagedllm import LLM\n"
+        "after_import = gc.isenabled()\n"
+        "LLM(num_kv_blocks=16)\n"
+        "print(after_import, gc.isenabled(), gc.get_freeze_count())\n"
+    )
+    for state, expected in (("on", "True True 0"), ("off", "False False 0")):
+        run = subprocess.run([sys.executable, "-c", child, state], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.split("\n")[-2] == expected

@@ -48,6 +48,7 @@ from pagedllm.entrypoints.openai.serving_common import (
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
+from pagedllm.heap import freeze_long_lived
 
 # vLLM's routes under their other names; the schema lists each route once, under its first.
 _SCORE_PATHS = ("/v1/score", "/score")
@@ -64,6 +65,7 @@ def serve(engine_options: dict[str, Any], options: ServeOptions) -> int:
     finish or abort in-flight requests and return 0. If the engine cannot continue (a tensor-parallel rank
     died, or the core process did), fail its requests, stop, and return 1."""
     server = build_server(engine_options, options)
+    freeze_long_lived()
     options = server.options
     config = uvicorn.Config(
         server.app,

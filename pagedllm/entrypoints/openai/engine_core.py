@@ -37,6 +37,7 @@ from pagedllm.beam_search import BeamSearchParams
 from pagedllm.config import EngineConfig
 from pagedllm.engine import CoreStep, EngineDeadError, LLMEngine, PromptInput
 from pagedllm.entrypoints.openai.kv_page import KVPublisher, KVWatch
+from pagedllm.heap import freeze_long_lived
 from pagedllm.lora_request import LoRARequest
 from pagedllm.output_processor import StringStop
 from pagedllm.outputs import EngineStats, RequestDelta
@@ -185,6 +186,7 @@ def run_engine_core(conn: Connection, engine_options: dict[str, Any], loras: lis
         conn.send(Fatal(Refusal.of(error)))
         return
     core = EngineCore(engine, conn)
+    freeze_long_lived()
     elapsed = time.perf_counter() - started
     core.send(Ready(engine.max_model_len, str(engine.loaded.folder), elapsed, engine.task, engine.pooler))
     try:
