@@ -12,7 +12,7 @@ from tests.pooling_models import save_embedding_model
 def test_bench_flood_times_the_stream_idle_and_beside_the_flood(tmp_path):
     folder = save_embedding_model(tmp_path / "m", "qwen3", "last", lm_head=True)
     command = [sys.executable, "-m", "pagedllm", "bench", "flood", "--model", str(folder), "--dtype", "float32"]
-    command += ["--num-documents", "40", "--max-tokens", "24", "--rounds", "1", "--pooling-stretch", "2"]
+    command += ["--num-documents", "40", "--max-tokens", "64", "--rounds", "1", "--pooling-stretch", "2"]
     log = tmp_path / "out.txt"
     with log.open("w") as sink:
         done = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT, timeout=300)
