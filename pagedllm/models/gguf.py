@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 
 # Part of the cache key: bump it whenever the converted folder's contents change, so stale
 # conversions made by an older pagedllm are not reused.
-CONVERTER_VERSION = 3
+CONVERTER_VERSION = 4
 # In a lean folder: which GGUF tensors stay quantized, under which parameter names, their rows in which order.
 # Start-up reads it instead of rebuilding the plan, which needs transformers' config and model classes (~2 s
 # of imports).
@@ -152,12 +152,14 @@ def quantized_weights(gguf_path: Path, lean_folder: Path) -> dict[str, Quantized
     return out
 
 
-def is_converted(folder: StrPath) -> bool:
-    """Whether `folder` is a GGUF file's conversion, as its manifest records."""
+def tokenizer_class(folder: StrPath) -> str | None:
+    """The transformers class that reads the tokenizer of `folder`, a GGUF file's conversion, as its manifest
+    records it (what `AutoTokenizer` chose there); None for any other folder."""
     try:
-        return "converter_version" in json.loads((Path(folder) / COMPLETE_MARKER).read_text())["record"]
+        name = json.loads((Path(folder) / COMPLETE_MARKER).read_text())["record"]["tokenizer_class"]
     except (OSError, ValueError, KeyError, TypeError):
-        return False
+        return None
+    return name if isinstance(name, str) else None
 
 
 def conversion_key(gguf_path: Path, lean: bool = False) -> str:
@@ -202,12 +204,22 @@ def _convert(gguf_path: Path, out_dir: Path, lean: bool) -> dict[str, Any]:
     _generation_config(config, eos_ids).save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return {
+        "tokenizer_class": _tokenizer_reader(out_dir),
         "source": str(gguf_path),
         "architecture": gguf.architecture,
         "converter_version": CONVERTER_VERSION,
         "lean": lean,
         "seconds": round(time.perf_counter() - started, 3),
     }
+
+
+def _tokenizer_reader(folder: Path) -> str:
+    """The class `AutoTokenizer` reads `folder`'s tokenizer with (for some model types, such as Qwen2 and Phi3,
+    another than the one that wrote it, with pre-tokenizer fixes of its own): kept, so that a start reads it with
+    that class directly and not through `AutoTokenizer`, which first builds the model's config (over a second)."""
+    from transformers import AutoTokenizer
+
+    return type(AutoTokenizer.from_pretrained(folder)).__name__
 
 
 # --- reading the file ------------------------------------------------------------------------------

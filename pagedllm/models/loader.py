@@ -14,7 +14,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 from safetensors import safe_open
-from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase
 
 from pagedllm.distributed.parallel import Shard
 from pagedllm.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
@@ -392,13 +392,17 @@ class Checkpoint(Mapping[str, torch.Tensor]):
 
 
 def load_tokenizer(folder: str | Path) -> PreTrainedTokenizerBase:
-    """The tokenizer of `folder`. A GGUF file's conversion holds the `PreTrainedTokenizerFast` that `gguf.py`
-    built, and is read back as one: `AutoTokenizer` would first build the model's config, which imports
+    """The tokenizer of `folder`. A GGUF file's conversion records the class `AutoTokenizer` chose for it, and is
+    read with that class directly: `AutoTokenizer` would first build the model's config, which imports
     transformers' model code (over a second of every start)."""
-    from pagedllm.models.gguf import is_converted
+    import transformers
 
-    if is_converted(folder):
-        return PreTrainedTokenizerFast.from_pretrained(folder)
-    from transformers import AutoTokenizer  # its auto mappings are a few tenths of a second to import
+    from pagedllm.models.gguf import tokenizer_class
 
-    return AutoTokenizer.from_pretrained(folder)
+    name = tokenizer_class(folder)
+    reader = getattr(transformers, name, None) if name is not None else None
+    if reader is None:
+        from transformers import AutoTokenizer  # its auto mappings are a few tenths of a second to import
+
+        reader = AutoTokenizer
+    return reader.from_pretrained(folder)
