@@ -1,45 +1,10 @@
 """`pagedllm serve` and the official openai client: chat (whole and streamed), a tool call, and the Responses API
 continuing a stored conversation. The server runs in a subprocess on a free port, its log in a file."""
 
-import socket
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
-
-import httpx
 import openai
+from local_server import local_server
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_healthy(url: str, server: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            sys.exit(f"the server stopped:\n{log.read_text()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    sys.exit("the server did not come up in 120 s")
-
-
-port = free_port()
-log = Path(tempfile.mkdtemp()) / "server.log"
-command = [sys.executable, "-m", "pagedllm", "serve", "--port", str(port), "--served-model-name", "smol"]
-with log.open("w") as sink:  # a file, not a pipe that nobody reads
-    server = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
-url = f"http://127.0.0.1:{port}"
-try:
-    wait_healthy(url, server, log)
+with local_server() as url:
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
     question = [{"role": "user", "content": "What is the capital of France?"}]
     reply = client.chat.completions.create(model="smol", messages=question, max_tokens=24, temperature=0)
@@ -65,6 +30,3 @@ try:
         model="smol", input="And another one?", previous_response_id=first.id, max_output_tokens=16, temperature=0
     )
     print("responses:", first.output_text, "|", second.output_text)
-finally:
-    server.terminate()
-    server.wait(timeout=30)

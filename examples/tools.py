@@ -6,15 +6,9 @@ back out of the reply; `tool_choice="required"` holds the first reply to a call 
 tool's parameters, so even a 135M model calls it well-formed."""
 
 import json
-import socket
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
 
-import httpx
 import openai
+from local_server import local_server
 
 
 def get_weather(city: str) -> dict:
@@ -32,34 +26,7 @@ WEATHER_TOOL = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_healthy(url: str, server: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            sys.exit(f"the server stopped:\n{log.read_text()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    sys.exit("the server did not come up in 120 s")
-
-
-port = free_port()
-log = Path(tempfile.mkdtemp()) / "server.log"
-command = [sys.executable, "-m", "pagedllm", "serve", "--port", str(port), "--served-model-name", "smol"]
-with log.open("w") as sink:  # a file, not a pipe that nobody reads
-    server = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
-url = f"http://127.0.0.1:{port}"
-try:
-    wait_healthy(url, server, log)
+with local_server() as url:
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     first = client.chat.completions.create(
@@ -79,6 +46,3 @@ try:
     )
     print("tool result:", result)
     print("answer:", final.choices[0].message.content)
-finally:
-    server.terminate()
-    server.wait(timeout=30)
