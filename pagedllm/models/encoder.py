@@ -72,14 +72,26 @@ class BertLayer(nn.Module):
         return self.mlp_norm(h + self.down_proj(F.gelu(self.up_proj(h), approximate=self.approximate)))
 
     def _attend(self, qkv: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
-        """Each sequence's rows `[start, end)` attend to each other, every one to every one (no causal mask)."""
         tokens = qkv.shape[0]
         q, k, v = qkv.view(tokens, 3, self.num_heads, self.head_dim).transpose(0, 2).unbind(1)  # [heads, T, d]
-        out = qkv.new_empty(self.num_heads, tokens, self.head_dim)
-        for start, end in spans:
-            rows = slice(start, end)
-            out[:, rows] = F.scaled_dot_product_attention(q[:, rows], k[:, rows], v[:, rows], scale=self.scale)
-        return out.transpose(0, 1).reshape(tokens, -1)
+        return _attend_spans(q, k, v, spans, self.scale)
+
+
+def _attend_spans(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: list[tuple[int, int]], scale: float, window: int = 0
+) -> torch.Tensor:
+    """`q`, `k`, `v` `[heads, T, d]`: each sequence's rows `[start, end)` attend to each other, every one to every
+    one (no causal mask), or with a `window` to those within it either side; `[T, heads * d]`."""
+    heads, tokens, head_dim = q.shape
+    out = q.new_empty(heads, tokens, head_dim)
+    for start, end in spans:
+        rows = slice(start, end)
+        mask = None
+        if window and end - start > window + 1:
+            offsets = torch.arange(end - start, device=q.device)
+            mask = (offsets[:, None] - offsets[None, :]).abs() <= window
+        out[:, rows] = F.scaled_dot_product_attention(q[:, rows], k[:, rows], v[:, rows], mask, scale=scale)
+    return out.transpose(0, 1).reshape(tokens, -1)
 
 
 class Encoder(nn.Module):
@@ -232,16 +244,7 @@ class ModernBertLayer(nn.Module):
         q, k, v = qkv.view(tokens, 3, self.num_heads, self.head_dim).unbind(1)  # [T, heads, d]
         cos, sin = (part[:, None] for part in rope)
         q, k = (_rotate(t, cos, sin).transpose(0, 1) for t in (q, k))
-        v = v.transpose(0, 1)
-        out = qkv.new_empty(self.num_heads, tokens, self.head_dim)
-        for start, end in spans:
-            rows = slice(start, end)
-            mask = None
-            if self.window and end - start > self.window + 1:
-                offsets = torch.arange(end - start, device=qkv.device)
-                mask = (offsets[:, None] - offsets[None, :]).abs() <= self.window
-            out[:, rows] = F.scaled_dot_product_attention(q[:, rows], k[:, rows], v[:, rows], mask, scale=self.scale)
-        return out.transpose(0, 1).reshape(tokens, -1)
+        return _attend_spans(q, k, v.transpose(0, 1), spans, self.scale, self.window)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
