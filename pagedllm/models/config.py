@@ -13,6 +13,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -402,16 +403,14 @@ def parse_encoder_config(raw: dict, folder: Path, architecture: str, where: str)
     family = ENCODERS[architecture]
     if family == "modernbert":
         return _modernbert_config(raw, folder, architecture, where)
-    for name in _REQUIRED + ("intermediate_size",):
-        if raw.get(name) is None:
-            raise ValueError(f"{where} lacks the field {name!r}, which {architecture} needs")
+    _require_encoder_fields(raw, architecture, where)
     act = raw.get("hidden_act", "gelu")
     if act not in ENCODER_ACTIVATIONS:
         raise ValueError(f"{where}: activation {act!r} is not supported for {architecture} ({ENCODER_ACTIVATIONS})")
     position_type = raw.get("position_embedding_type", "absolute")
     if position_type != "absolute":
         raise ValueError(f"{where}: position_embedding_type {position_type!r} is not supported (absolute is)")
-    hidden, heads, num_layers = raw["hidden_size"], raw["num_attention_heads"], raw["num_hidden_layers"]
+    num_layers = raw["num_hidden_layers"]
     max_positions = raw.get("max_position_embeddings", 512)
     offset = None if family == "bert" else raw.get("pad_token_id", 1)
     classifier = architecture.endswith("ForSequenceClassification")
@@ -423,40 +422,23 @@ def parse_encoder_config(raw: dict, folder: Path, architecture: str, where: str)
         head=("pooler" if family == "bert" else "roberta") if classifier else "none",
         checkpoint_prefix="bert." if family == "bert" else "roberta.",
     )
-    return ModelConfig(
-        folder=folder,
-        architectures=tuple(raw.get("architectures") or (architecture,)),
-        architecture=architecture,
-        family=family,
-        vocab_size=raw["vocab_size"],
-        hidden_size=hidden,
-        intermediate_size=raw["intermediate_size"],
-        num_hidden_layers=num_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        head_dim=hidden // heads,
+    return _encoder_model_config(
+        raw,
+        folder,
+        architecture,
+        family,
+        encoder,
         rms_norm_eps=encoder.layer_norm_eps,
         # The positions past the offset are the tokens a prompt may have (XLM-R: 514 rows, 512 tokens).
         max_position_embeddings=max_positions - (0 if offset is None else offset + 1),
-        tie_word_embeddings=False,
         attention_bias=True,
         o_proj_bias=True,
         mlp_bias=True,
         hidden_act=act,
-        qk_norm=False,
-        gemma=False,
-        attention_scale=(hidden // heads) ** -0.5,
-        attn_softcap=0.0,
-        final_softcap=0.0,
         layer_types=(FULL,) * num_layers,
         sliding_windows=(0,) * num_layers,
         rope={},
         rope_local=None,
-        partial_rotary_factor=1.0,
-        moe=None,
-        num_labels=_num_labels(raw) if classifier else 0,
-        has_lm_head=False,
-        encoder=encoder,
     )
 
 
@@ -464,10 +446,8 @@ def _modernbert_config(raw: dict, folder: Path, architecture: str, where: str) -
     """ModernBERT as transformers 5 reads it: every `global_attn_every_n_layers`-th layer global (RoPE theta
     `global_rope_theta`), the others sliding over `local_attention // 2` positions either side (`local_rope_theta`),
     unless `layer_types` and `rope_parameters` say so themselves."""
-    for name in _REQUIRED + ("intermediate_size",):
-        if raw.get(name) is None:
-            raise ValueError(f"{where} lacks the field {name!r}, which {architecture} needs")
-    hidden, heads, num_layers = raw["hidden_size"], raw["num_attention_heads"], raw["num_hidden_layers"]
+    _require_encoder_fields(raw, architecture, where)
+    num_layers = raw["num_hidden_layers"]
     every = raw.get("global_attn_every_n_layers") or 3
     types = tuple(raw.get("layer_types") or [FULL if i % every == 0 else SLIDING for i in range(num_layers)])
     params = raw.get("rope_parameters") or {}
@@ -502,37 +482,59 @@ def _modernbert_config(raw: dict, folder: Path, architecture: str, where: str) -
         classifier_bias=bool(raw.get("classifier_bias", False)),
     )
     bias = bool(raw.get("attention_bias", False))
-    return ModelConfig(
-        folder=folder,
-        architectures=tuple(raw.get("architectures") or (architecture,)),
-        architecture=architecture,
-        family="modernbert",
-        vocab_size=raw["vocab_size"],
-        hidden_size=hidden,
-        intermediate_size=raw["intermediate_size"],
-        num_hidden_layers=num_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        head_dim=hidden // heads,
+    return _encoder_model_config(
+        raw,
+        folder,
+        architecture,
+        "modernbert",
+        encoder,
         rms_norm_eps=eps,
         max_position_embeddings=raw.get("max_position_embeddings", 8192),
-        tie_word_embeddings=False,
         attention_bias=bias,
         o_proj_bias=bias,
         mlp_bias=bool(raw.get("mlp_bias", False)),
         hidden_act=acts["hidden_activation"],
+        layer_types=types,
+        sliding_windows=tuple(raw.get("local_attention", 128) // 2 if t == SLIDING else 0 for t in types),
+        rope=ropes[FULL],
+        rope_local=ropes[SLIDING],
+    )
+
+
+def _require_encoder_fields(raw: dict, architecture: str, where: str) -> None:
+    for name in _REQUIRED + ("intermediate_size",):
+        if raw.get(name) is None:
+            raise ValueError(f"{where} lacks the field {name!r}, which {architecture} needs")
+
+
+def _encoder_model_config(
+    raw: dict, folder: Path, architecture: str, family: str, encoder: EncoderConfig, **family_fields: Any
+) -> ModelConfig:
+    """The fields every encoder's config shares (its sizes from `raw`, full multi-head attention, none of a decoder's
+    q/k norm, soft-caps, experts or LM head), with those its family sets."""
+    hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
+    return ModelConfig(
+        folder=folder,
+        architectures=tuple(raw.get("architectures") or (architecture,)),
+        architecture=architecture,
+        family=family,
+        vocab_size=raw["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=raw["intermediate_size"],
+        num_hidden_layers=raw["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=hidden // heads,
+        tie_word_embeddings=False,
         qk_norm=False,
         gemma=False,
         attention_scale=(hidden // heads) ** -0.5,
         attn_softcap=0.0,
         final_softcap=0.0,
-        layer_types=types,
-        sliding_windows=tuple(raw.get("local_attention", 128) // 2 if t == SLIDING else 0 for t in types),
-        rope=ropes[FULL],
-        rope_local=ropes[SLIDING],
         partial_rotary_factor=1.0,
         moe=None,
-        num_labels=_num_labels(raw) if classifier else 0,
+        num_labels=_num_labels(raw) if architecture.endswith("ForSequenceClassification") else 0,
         has_lm_head=False,
         encoder=encoder,
+        **family_fields,
     )
