@@ -192,9 +192,10 @@ def _convert(gguf_path: Path, out_dir: Path, lean: bool) -> dict[str, Any]:
 
     eos_ids = _end_of_generation_ids(gguf, tokenizer)
     config.eos_token_id = _one_or_list(eos_ids)
-    tensors = plan.run(skip=plan.held_sources() if lean else frozenset())
+    held = plan.held_plan() if lean else {}
+    tensors = plan.run(skip=frozenset(held))
     if lean:
-        (out_dir / HELD_PLAN).write_text(json.dumps(plan.held_plan()))
+        (out_dir / HELD_PLAN).write_text(json.dumps(held))
     # "format": "pt" is what transformers expects in a safetensors header before loading it into torch.
     from safetensors.torch import save_file
 
@@ -760,10 +761,6 @@ class _WeightPlan:
             identity = bool(torch.equal(order, torch.arange(len(order))))
             plan[name] = {"param": self.names[name], "order": None if identity else order.tolist()}
         return plan
-
-    def held_sources(self) -> frozenset[str]:
-        """The GGUF names of the tensors `quantized` holds."""
-        return frozenset(self._held_orders())
 
     def _held_orders(self) -> dict[str, torch.Tensor]:
         """Each tensor that stays quantized, by GGUF name, with the order of its rows in the checkpoint."""
